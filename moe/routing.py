@@ -1,0 +1,28 @@
+"""The result of routing one batch: a flat list of (token, expert, gate) assignments.
+
+Shapes: T tokens, E experts, K top-k, A assignments.
+Token-choice routing gives A <= T*K assignments with slot = t*K + k (the combine sums the K
+slots of each token in a fixed order, deterministic on every device); expert-choice gives
+A = groups*E*C assignments with no slots (combine accumulates with index_add).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Routing:
+    token_A: torch.Tensor       # long [A]: token row of each assignment
+    expert_A: torch.Tensor      # long [A]: global expert id
+    gate_A: torch.Tensor        # fp32 [A]: gate weight (carries the router's gradient)
+    slot_A: Optional[torch.Tensor]  # long [A]: t*K + k, or None for expert-choice
+    slots_per_token: int        # K for token choice (0 for expert-choice)
+    num_tokens: int             # T
+    routed_E: torch.Tensor      # long [E]: assignments each expert was chosen for, before capacity
+    aux_losses: dict            # name -> unweighted scalar loss
+    entropy: torch.Tensor       # fp32 scalar: mean per-token entropy of router probabilities
+
+    @property
+    def kept_E(self) -> torch.Tensor:
+        return torch.bincount(self.expert_A, minlength=self.routed_E.numel())
