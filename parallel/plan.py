@@ -1,0 +1,171 @@
+"""ParallelPlan: how many ranks each kind of parallelism uses, checked before any collective.
+
+Rank layout (outer to inner): pp x dp x tp = world. The dense side uses the mesh
+("pp", "dp", "tp"). The expert side reuses the same ranks: within one pipeline stage the
+dp*tp ranks form a pool of distinct token streams (under tp, MoE layers split each
+microbatch's sequences across the tp ranks so every token is routed once), and that pool is
+regrouped as ("edp", "ep") with ep innermost. So **ep must divide dp*tp** (not only dp):
+ep=2 tp=2 dp=1 puts experts across the tp pair. edp = dp*tp/ep ranks hold the same experts
+and average their gradients (or shard them under ZeRO).
+
+`validate` never communicates: it is pure arithmetic on the plan, the world size and the
+model/MoE/batch sizes, and every error names the field and a fix.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "full")
+
+
+@dataclass
+class ParallelPlan:
+    dp: int = field(default=-1, metadata={"help": "data-parallel degree; -1 = all ranks left after tp*pp"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel degree (attention heads, dense MLP, vocab split)"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (number of ranks in the pipeline)"})
+    ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*tp and moe.num_experts"})
+    zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
+    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b"})
+    pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, else 1)"})
+    microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only)"})
+    precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
+    recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
+
+    # ---- derived sizes (valid after validate()) ----
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (expert-data-parallel degree)."""
+        return self.dp * self.tp // self.ep
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank > 0:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def validate(self, world_size: int, model_cfg=None, moe_cfg=None, batch_size=None) -> "ParallelPlan":
+        """Check the plan and return a copy with dp resolved (dp=-1 -> remaining ranks).
+
+        model_cfg / moe_cfg (models.config dataclasses, optional) enable the divisibility checks
+        of heads, d_ff, vocab, layers and experts; batch_size (global, in sequences, optional)
+        enables the batch / microbatch checks. Raises ValueError naming `parallel.<field>`.
+        """
+        _check_choices(self)
+        _check_degrees(self)
+        plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size))
+        _check_ep(plan)
+        if model_cfg is not None:
+            _check_model(plan, model_cfg, moe_cfg)
+        if batch_size is not None:
+            _check_batch(plan, batch_size, _has_moe(moe_cfg))
+        return plan
+
+
+def _err(msg: str) -> ValueError:
+    return ValueError(msg)
+
+
+def _check_choices(p: ParallelPlan) -> None:
+    for name, value, choices in (("pp_schedule", p.pp_schedule, PP_SCHEDULES),
+                                 ("precision", p.precision, PRECISIONS),
+                                 ("recompute", p.recompute, RECOMPUTE)):
+        if value not in choices:
+            raise _err(f"parallel.{name}={value!r} is not supported; use one of {', '.join(choices)}")
+    if p.zero not in (0, 1, 2, 3) or isinstance(p.zero, bool):
+        raise _err(f"parallel.zero={p.zero!r} must be 0, 1, 2 or 3")
+    if not isinstance(p.compile, bool):
+        raise _err(f"parallel.compile={p.compile!r} must be true or false")
+
+
+def _check_degrees(p: ParallelPlan) -> None:
+    for name in ("tp", "pp", "ep", "microbatches"):
+        v = getattr(p, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _err(f"parallel.{name}={v!r} must be an integer >= 1")
+    if not isinstance(p.dp, int) or isinstance(p.dp, bool) or not (p.dp == -1 or p.dp >= 1):
+        raise _err(f"parallel.dp={p.dp!r} must be -1 (all remaining ranks) or an integer >= 1")
+    if not isinstance(p.pp_stages_per_rank, int) or p.pp_stages_per_rank < 0:
+        raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank!r} must be 0 (auto) or >= 1")
+    if p.pp == 1 and p.pp_stages_per_rank > 1:
+        raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs parallel.pp > 1; "
+                   f"set pp_stages_per_rank=0")
+    if p.pp_schedule != "interleaved_1f1b" and p.pp_stages_per_rank > 1:
+        raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs "
+                   f"parallel.pp_schedule=interleaved_1f1b (gpipe/1f1b run one stage per rank)")
+
+
+def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise _err(f"world_size={world_size!r} must be a positive integer")
+    rest = p.tp * p.pp
+    if p.dp == -1:
+        if world_size % rest:
+            raise _err(f"parallel.tp*pp = {p.tp}*{p.pp} = {rest} does not divide the world size "
+                       f"{world_size}; pick tp and pp whose product divides {world_size}")
+        return world_size // rest
+    if p.dp * rest != world_size:
+        raise _err(f"parallel.dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.dp * rest} but the world size is "
+                   f"{world_size}; set parallel.dp=-1 (use the remaining ranks) or change the degrees")
+    return p.dp
+
+
+def _check_ep(p: ParallelPlan) -> None:
+    if (p.dp * p.tp) % p.ep:
+        raise _err(f"parallel.ep={p.ep} must divide dp*tp = {p.dp}*{p.tp} = {p.dp * p.tp} (experts "
+                   f"are spread over the ranks of one pipeline stage); lower ep or raise dp")
+
+
+def _has_moe(moe_cfg) -> bool:
+    return moe_cfg is not None and getattr(moe_cfg, "every", 1) != 0 and \
+        getattr(moe_cfg, "num_experts", 0) > 0
+
+
+def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
+    arch = getattr(m, "arch", "gpt")
+    if arch != "gpt" and (p.tp > 1 or p.pp > 1):
+        raise _err(f"parallel.tp/pp > 1 is implemented for model.arch='gpt' only (got {arch!r}); "
+                   f"use data/expert parallelism and ZeRO for it (tp=1, pp=1)")
+    if p.tp > 1:
+        for name in ("n_heads", "d_ff", "vocab_size"):
+            v = getattr(m, name, None)
+            if v is not None and v % p.tp:
+                raise _err(f"model.{name}={v} is not divisible by parallel.tp={p.tp}; pick a tp that "
+                           f"divides it (or change model.{name})")
+    n_layers = getattr(m, "n_layers", None)
+    if p.pp > 1 and n_layers is not None and n_layers % p.num_stages:
+        raise _err(f"model.n_layers={n_layers} is not divisible by the {p.num_stages} pipeline stages "
+                   f"(parallel.pp={p.pp} x {p.stages_per_rank} per rank); change parallel.pp or "
+                   f"parallel.pp_stages_per_rank")
+    if _has_moe(moe_cfg) and moe_cfg.num_experts % p.ep:
+        raise _err(f"moe.num_experts={moe_cfg.num_experts} is not divisible by parallel.ep={p.ep}; "
+                   f"pick an ep that divides it")
+    if not _has_moe(moe_cfg) and p.ep > 1 and moe_cfg is not None:
+        raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
+
+
+def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool) -> None:
+    if batch_size % p.dp:
+        raise _err(f"train.batch_size={batch_size} (global, in sequences) is not divisible by "
+                   f"parallel.dp={p.dp}; use a multiple of {p.dp}")
+    local = batch_size // p.dp
+    mb = p.microbatches if p.pp > 1 else 1
+    if p.pp > 1 and local % mb:
+        raise _err(f"per-rank batch {local} (train.batch_size/dp) is not divisible by "
+                   f"parallel.microbatches={mb}; pick microbatches dividing {local}")
+    if p.pp > 1 and p.pp_schedule != "gpipe" and mb < p.pp:
+        raise _err(f"parallel.microbatches={mb} is less than parallel.pp={p.pp}: schedule "
+                   f"{p.pp_schedule} needs at least one microbatch per stage; raise microbatches")
+    if p.tp > 1 and has_moe and (local // mb) % p.tp:
+        raise _err(f"microbatch size {local // mb} sequences is not divisible by parallel.tp={p.tp}: "
+                   f"MoE layers split whole sequences across tp ranks so each token is routed once; "
+                   f"raise train.batch_size or lower parallel.microbatches")
