@@ -1,0 +1,181 @@
+"""Model and MoE configuration: one dataclass per concern, laptop-CPU defaults.
+
+Every field carries its one-line help in `dataclasses.field(metadata={"help": ...})`, so a
+config system can list it (`field_help(ModelConfig)`). `validate()` raises ValueError naming
+`model.<field>` / `moe.<field>` and how to fix it. Validation may normalise spellings in
+place (e.g. capacity_factor 0 or "none" -> None), which is why it mutates self.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+ARCHS = ("gpt", "switch")
+POSITIONS = ("rope", "learned")
+NORMS = ("rmsnorm", "layernorm")
+ROUTERS = ("token_choice", "expert_choice")
+# must match moe.experts.ACTIVATIONS; repeated here so configs import without torch
+ACTIVATION_NAMES = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
+_DROPLESS_WORDS = ("none", "null", "dropless", "")
+
+
+def _help(default, text: str):
+    return field(default=default, metadata={"help": text})
+
+
+def field_help(cls) -> dict:
+    """{field name: one-line help} for a config dataclass (class or instance)."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def parse_capacity_factor(value, name: str):
+    """None/0/"none"/"dropless" -> None (dropless); a positive number -> float."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _DROPLESS_WORDS):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number; use a positive float "
+                             f"(e.g. 1.25), or 0 / \"none\" for dropless") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be a positive float, or 0 / \"none\" for dropless")
+    if value == 0:
+        return None
+    if value < 0:
+        raise ValueError(f"{name}={value} is negative; use a positive float, or 0 / \"none\" for dropless")
+    return float(value)
+
+
+def _positive_int(cfg, section: str, names) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{section}.{n}={v!r} must be a positive integer")
+
+
+def _choice(cfg, section: str, name: str, choices) -> None:
+    v = getattr(cfg, name)
+    if v not in choices:
+        raise ValueError(f"{section}.{name}={v!r} is not supported; use one of {list(choices)}")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = _help("gpt", "model family: 'gpt' (decoder-only) or 'switch' (T5-like encoder-decoder)")
+    vocab_size: int = _help(256, "vocabulary size (switch: must include the span-corruption sentinel ids)")
+    d_model: int = _help(128, "hidden size of the residual stream")
+    n_layers: int = _help(4, "number of transformer blocks (switch: per stack, encoder and decoder each)")
+    n_heads: int = _help(4, "attention heads; must divide d_model")
+    d_ff: int = _help(512, "hidden size of dense FFNs and of each expert")
+    max_seq_len: int = _help(256, "longest sequence the model accepts (size of learned positions / RoPE table)")
+    dropout: float = _help(0.0, "dropout probability on attention weights and residual branches")
+    positions: str = _help("rope", "gpt positions: 'rope' (rotary) or 'learned'; switch always uses T5 relative bias")
+    rope_theta: float = _help(10000.0, "RoPE base frequency")
+    rel_pos_buckets: int = _help(32, "switch: number of relative-position buckets (T5)")
+    rel_pos_max_distance: int = _help(128, "switch: distance beyond which relative positions share a bucket (T5)")
+    tie_embeddings: bool = _help(True, "share the token embedding and output projection weights")
+    norm: str = _help("rmsnorm", "normalisation: 'rmsnorm' or 'layernorm' (switch requires rmsnorm)")
+    norm_eps: float = _help(1e-6, "epsilon of the norm layers")
+    activation: str = _help("gelu", f"FFN/expert activation: one of {list(ACTIVATION_NAMES)}")
+    bias: bool = _help(False, "gpt: biases in attention and FFN linears (switch never has biases)")
+    init_std: float = _help(0.02, "std of the normal init; output projections use init_std/sqrt(2*n_layers)")
+
+    def validate(self) -> "ModelConfig":
+        s = "model"
+        _choice(self, s, "arch", ARCHS)
+        _positive_int(self, s, ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
+                                "max_seq_len", "rel_pos_buckets", "rel_pos_max_distance"))
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model="
+                             f"{self.d_model}; pick n_heads that divides d_model")
+        head_dim = self.d_model // self.n_heads
+        if self.arch == "gpt" and self.positions == "rope" and head_dim % 2:
+            raise ValueError(f"model.positions='rope' needs an even head dim, got d_model/n_heads="
+                             f"{head_dim}; change model.d_model or model.n_heads")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        _choice(self, s, "positions", POSITIONS)
+        _choice(self, s, "norm", NORMS)
+        _choice(self, s, "activation", ACTIVATION_NAMES)
+        if self.arch == "switch" and self.norm != "rmsnorm":
+            raise ValueError("model.norm must be 'rmsnorm' for arch='switch' (T5 style)")
+        for n in ("init_std", "norm_eps", "rope_theta"):
+            if not getattr(self, n) > 0:
+                raise ValueError(f"model.{n}={getattr(self, n)} must be > 0")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = _help(8, "experts per MoE layer")
+    top_k: int = _help(2, "experts per token (1 = Switch, 2 = GShard/Mixtral); for expert_choice: the mean fan-out")
+    capacity_factor: Optional[float] = _help(
+        None, "expert capacity = ceil(cf * S * top_k / E) per sequence; 0 or \"none\" = dropless")
+    eval_capacity_factor: Union[float, str, None] = _help(
+        "same", "capacity factor in eval; \"same\" = as capacity_factor; 0 or \"none\" = dropless")
+    every: int = _help(2, "MoE FFN in blocks i with (i+1) % every == 0 (and i >= first_moe_layer); 0 = dense model")
+    first_moe_layer: int = _help(0, "no MoE block before this block index")
+    d_ff: int = _help(0, "hidden size of each expert; 0 = model.d_ff")
+    router: str = _help("token_choice", "routing: 'token_choice' or 'expert_choice'")
+    aux_loss_coef: float = _help(0.01, "weight of the load-balancing loss (Switch: 0.01)")
+    z_loss_coef: float = _help(0.001, "weight of the router z-loss (ST-MoE: 0.001)")
+    jitter: float = _help(0.0, "multiplicative input jitter on router inputs during training (Switch: 0.01)")
+    num_shared_experts: int = _help(0, "always-on shared experts added to the routed output (DeepSeek-MoE)")
+    bias_update_rate: float = _help(0.0, "aux-loss-free balancing: selection-bias step per update; 0 = off")
+
+    def __post_init__(self):
+        # normalise what we can; leave junk in place for validate() to report
+        try:
+            self._normalise()
+        except ValueError:
+            pass
+
+    def _normalise(self) -> None:
+        self.capacity_factor = parse_capacity_factor(self.capacity_factor, "moe.capacity_factor")
+        e = self.eval_capacity_factor
+        if not (isinstance(e, str) and e.strip().lower() == "same"):
+            self.eval_capacity_factor = parse_capacity_factor(e, "moe.eval_capacity_factor")
+
+    def validate(self, model_cfg: Optional[ModelConfig] = None) -> "MoEConfig":
+        self._normalise()
+        s = "moe"
+        if self.every == 0:
+            return self  # dense model: the remaining fields are unused
+        _positive_int(self, s, ("num_experts", "top_k"))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}; "
+                             f"use top_k <= num_experts")
+        for n in ("every", "first_moe_layer", "d_ff", "num_shared_experts"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"moe.{n}={v!r} must be an integer >= 0")
+        _choice(self, s, "router", ROUTERS)
+        for n in ("aux_loss_coef", "z_loss_coef", "jitter", "bias_update_rate"):
+            if getattr(self, n) < 0:
+                raise ValueError(f"moe.{n}={getattr(self, n)} must be >= 0")
+        if self.jitter >= 1:
+            raise ValueError(f"moe.jitter={self.jitter} must be < 1 (inputs are scaled by U(1-j, 1+j))")
+        if model_cfg is not None and not self.moe_block_ids(model_cfg.n_layers):
+            raise ValueError(f"moe.every={self.every} with moe.first_moe_layer={self.first_moe_layer} "
+                             f"puts no MoE block in model.n_layers={model_cfg.n_layers}; lower them "
+                             f"or set moe.every=0 for a dense model")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    @property
+    def resolved_eval_capacity_factor(self):
+        e = self.eval_capacity_factor
+        return self.capacity_factor if isinstance(e, str) and e.strip().lower() == "same" else e
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0
+
+    def moe_block_ids(self, n_layers: int) -> list:
+        return [i for i in range(n_layers) if self.is_moe_block(i)]
