@@ -14,6 +14,7 @@ ACTIVATIONS = {
     "silu": (F.silu, False),
     "swiglu": (F.silu, True),
     "geglu": (F.gelu, True),
+    "geglu_tanh": (lambda h: F.gelu(h, approximate="tanh"), True),  # T5 v1.1, Gemma
 }
 
 
