@@ -1,0 +1,148 @@
+"""Atomic torch.distributed.checkpoint (DCP) saves and resumes, reshardable across layouts.
+
+Layout of run.dir/checkpoints/step_00000100/:
+  DCP files       model and optimizer state (sharded tensors are resharded on load)
+  trainer.json    step, scheduler, sampler position, resolved config, world size
+  rng_rank<r>.pt  each rank's RNG states (restored only when the world size is unchanged)
+  COMPLETE        written last, before the rename
+
+A save goes to checkpoints/.tmp-step_.../ and is renamed into place only when every rank
+has finished writing, so a crash mid-save leaves a temp dir that is never taken for a
+checkpoint; older checkpoints are pruned only after the new one is complete.
+"""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .distributed import barrier
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+# Fields that change behaviour but not parameter shapes: a resume may change them.
+NON_STRUCTURAL = {"model": {"dropout"},
+                  "moe": {"capacity_factor", "eval_capacity_factor", "aux_loss_coef",
+                          "z_loss_coef", "jitter", "bias_update_rate"}}
+
+
+def checkpoint_root(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step_{step:08d}"
+
+
+def list_complete(run_dir) -> list:
+    """Complete checkpoints, oldest first, as (step, path)."""
+    root = checkpoint_root(run_dir)
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / "COMPLETE").is_file() and (p / "trainer.json").is_file():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest(run_dir):
+    done = list_complete(run_dir)
+    return done[-1][1] if done else None
+
+
+def read_trainer_state(path) -> dict:
+    return json.loads((Path(path) / "trainer.json").read_text())
+
+
+def structural_diff(saved_cfg: dict, cfg: dict) -> list:
+    """'section.field: saved -> now' for every shape-defining model/moe field that changed."""
+    diffs = []
+    for section in ("model", "moe"):
+        old, new = saved_cfg.get(section, {}), cfg.get(section, {})
+        for name in sorted(set(old) | set(new)):
+            if name not in NON_STRUCTURAL[section] and old.get(name) != new.get(name):
+                diffs.append(f"{section}.{name}: {old.get(name)!r} -> {new.get(name)!r}")
+    return diffs
+
+
+def _model_optim_state(model, optimizer, transform):
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if transform is not None:
+        model_sd, optim_sd = transform(model_sd, optim_sd)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: int,
+         transform=None) -> Path:
+    """Collective: every rank calls it. `transform(model_sd, optim_sd)` may wrap local
+    shards (e.g. expert-parallel slices) as DTensors so DCP can reshard them later."""
+    final = step_dir(run_dir, step)
+    if final.is_dir() and (final / "COMPLETE").is_file():
+        return final  # this exact step is already saved (e.g. resumed at the last step)
+    tmp = final.with_name(".tmp-" + final.name)
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(ctx)
+    dcp.save(_model_optim_state(model, optimizer, transform), checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
+    if ctx.is_main:
+        state = dict(trainer_state, step=step, world_size=ctx.world_size)
+        (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+    barrier(ctx)  # every rank's files are written before the checkpoint is declared complete
+    if ctx.is_main:
+        (tmp / "COMPLETE").write_text(f"{step}\n")
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        for _, old in list_complete(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(ctx)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load(ctx, path, model, optimizer, transform=None, untransform=None) -> dict:
+    """Collective: load model/optimizer in place (resharding as needed); returns trainer.json.
+
+    `transform` must be the one used at save time; `untransform(model_sd, optim_sd)` copies
+    loaded values back into the local tensors if `transform` made copies.
+    """
+    path = Path(path)
+    state = _model_optim_state(model, optimizer, transform)
+    dcp.load(state, checkpoint_id=str(path))
+    model_sd, optim_sd = state["model"], state["optim"]
+    if untransform is not None:
+        model_sd, optim_sd = untransform(model_sd, optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    info = read_trainer_state(path)
+    rng_file = path / f"rng_rank{ctx.rank}.pt"
+    if info.get("world_size") == ctx.world_size and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return info

@@ -1,0 +1,259 @@
+"""The run configuration: one dataclass per concern, filled from defaults, then a TOML file,
+then `section.field=value` command-line overrides (later wins).
+
+Sections: run, model, moe, parallel, train, data, log, checkpoint. Field help lives in each
+dataclass field's metadata["help"]. Every mistake raises ConfigError naming the field and
+the fix (unknown names get the closest valid one); train.py prints it without a traceback.
+"""
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from models.config import ModelConfig, MoEConfig
+from parallel.plan import ParallelPlan
+
+from .sections import CHOICES, CheckpointConfig, DataConfig, LogConfig, RunConfig, TrainConfig
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem (printed without a traceback)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+SECTION_DOCS = {
+    "run": "where the run lives and on which device",
+    "model": "model architecture (models/config.py)",
+    "moe": "Mixture-of-Experts layers (models/config.py)",
+    "parallel": "parallel layout (parallel/plan.py); the product of degrees = world size",
+    "train": "optimization",
+    "data": "corpus, tokenizer and sequence length",
+    "log": "metrics.jsonl, TensorBoard, progress display",
+    "checkpoint": "torch.distributed.checkpoint saves in run.dir/checkpoints",
+}
+
+
+def section_names() -> list:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _closest(name: str, options) -> str:
+    near = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {near[0]!r}?" if near else f"; valid names: {', '.join(options)}"
+
+
+def _field_types(section) -> dict:
+    return typing.get_type_hints(type(section))
+
+
+def _is_optional(tp) -> tuple:
+    """(True, inner type) for Optional[X] / X | None, else (False, tp)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) < len(typing.get_args(tp)):
+            return True, (args[0] if len(args) == 1 else typing.Union[tuple(args)])
+    return False, tp
+
+
+def _from_cli(raw: str):
+    """A command-line value: TOML syntax when it parses (1, 0.5, true, "x", [1, 2]), else a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def coerce(value, tp, where: str):
+    """Check/convert one value for a field of type `tp`; ConfigError naming `where` if wrong."""
+    optional, tp = _is_optional(tp)
+    if isinstance(value, str) and value.lower() in ("none", "null") and optional:
+        return None
+    if value is None and optional:
+        return None
+    if typing.get_origin(tp) is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}={value!r} is not one of {typing.get_args(tp)}")
+        return value
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool),
+    }.get(tp)
+    if ok is None:
+        return value  # a type we do not police (lists, unions): the section's validate() does
+    if not ok(value):
+        hint = " (or none)" if optional else ""
+        raise ConfigError(f"{where}={value!r} has the wrong type: expected {tp.__name__}{hint}")
+    return tp(value) if tp in (float, str) else value
+
+
+def _set(cfg: Config, section: str, name: str, value, from_cli: bool) -> None:
+    if section not in section_names():
+        raise ConfigError(f"unknown config section {section!r}" + _closest(section, section_names()))
+    sec = getattr(cfg, section)
+    names = [f.name for f in dataclasses.fields(sec)]
+    if name not in names:
+        full = [f"{section}.{n}" for n in names] + [f"{s}.{n}" for s in section_names()
+                                                   for n in _names(getattr(cfg, s))]
+        raise ConfigError(f"unknown config field {section}.{name!r}" + _closest(f"{section}.{name}", full))
+    tp = _field_types(sec)[name]
+    if from_cli and isinstance(value, (int, float, bool)) and _is_optional(tp)[1] is str:
+        value = str(value)
+    value = coerce(value, tp, f"{section}.{name}")
+    choices = CHOICES.get((section, name))
+    if choices and value not in choices:
+        raise ConfigError(f"{section}.{name}={value!r} is not supported; use one of {', '.join(choices)}")
+    setattr(sec, name, value)
+
+
+def _names(sec) -> list:
+    return [f.name for f in dataclasses.fields(sec)]
+
+
+def apply_toml(cfg: Config, data: dict, origin: str) -> None:
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin}: top-level key {section!r} must be a [section] table "
+                              f"(e.g. [train] then steps = 100)" + _closest(section, section_names()))
+        for name, value in table.items():
+            _set(cfg, section, name, value, from_cli=False)
+
+
+def load_toml(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    key, eq, raw = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not eq or not dot or not name:
+        raise ConfigError(f"override {item!r} must look like section.field=value "
+                          f"(e.g. train.steps=100)")
+    _set(cfg, section, name, _from_cli(raw.strip()), from_cli=True)
+
+
+def load_config(path=None, overrides=()) -> Config:
+    cfg = Config()
+    if path is not None:
+        apply_toml(cfg, load_toml(path), str(path))
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as a TOML file that load_config reads back (None -> "none")."""
+    lines = []
+    for section, table in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for name, value in table.items():
+            lines.append(f"{name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if v is None:
+        return '"none"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def help_text() -> str:
+    cfg, out = Config(), []
+    for section in section_names():
+        sec = getattr(cfg, section)
+        out.append(f"[{section}]  {SECTION_DOCS.get(section, '')}")
+        types_ = _field_types(sec)
+        for f in dataclasses.fields(sec):
+            tp = types_[f.name]
+            tname = getattr(tp, "__name__", str(tp).replace("typing.", ""))
+            default = _toml_value(getattr(sec, f.name))
+            out.append(f"  {section}.{f.name} ({tname}, default {default})")
+            out.append(f"      {f.metadata.get('help', '')}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _check_own(cfg: Config) -> None:
+    t, d, lg, ck = cfg.train, cfg.data, cfg.log, cfg.checkpoint
+    _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _require(t.batch_size >= 1, f"train.batch_size={t.batch_size} must be >= 1 (global sequences per step)")
+    _require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size} must be >= 0 (0 = no accumulation)")
+    _require(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
+    _require(t.eval_every >= 0 and t.eval_batches >= 1,
+             "train.eval_every must be >= 0 and train.eval_batches >= 1")
+    _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
+    max_len = getattr(cfg.model, "max_seq_len", None)
+    _require(max_len is None or d.seq_len <= max_len,
+             f"data.seq_len={d.seq_len} is longer than model.max_seq_len={max_len}; "
+             f"lower data.seq_len or raise model.max_seq_len")
+    _require(lg.every >= 1, f"log.every={lg.every} must be >= 1")
+    _require(lg.moe_stats_every >= 0, f"log.moe_stats_every={lg.moe_stats_every} must be >= 0")
+    _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = only at the end)")
+    _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+
+
+def _check_batching(cfg: Config, plan) -> None:
+    local = cfg.train.batch_size // plan.dp
+    mb = cfg.train.micro_batch_size
+    if plan.pp > 1:
+        _require(mb == 0, f"train.micro_batch_size={mb} cannot be combined with parallel.pp={plan.pp}: "
+                          f"the pipeline splits batches itself; set parallel.microbatches instead")
+    elif mb:
+        _require(local % mb == 0,
+                 f"train.micro_batch_size={mb} does not divide the per-rank batch {local} "
+                 f"(train.batch_size / dp = {cfg.train.batch_size} / {plan.dp}); pick a divisor of {local}")
+
+
+def validate(cfg: Config, world_size: int):
+    """Check every section and their combination; returns the resolved ParallelPlan."""
+    _check_own(cfg)
+    try:
+        for name in ("model", "moe"):
+            check = getattr(getattr(cfg, name), "validate", None)
+            if check is not None:
+                check()
+        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_batching(cfg, plan)
+    return plan

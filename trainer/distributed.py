@@ -1,0 +1,87 @@
+"""Process-group setup from the torchrun environment; device and backend from what exists.
+
+One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) needs no process group.
+Under torchrun each rank uses cuda:LOCAL_RANK with NCCL when CUDA is there, else the CPU
+with gloo. Nothing here is global: the returned DistContext is passed around.
+"""
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str          # "" when running as a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend != ""
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def choose_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device='cuda' but CUDA is not available; use run.device='auto' or 'cpu'")
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "
+                             f"device(s); start at most that many processes per node")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_kind: str = "auto", timeout_s: int = 300) -> DistContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(device_kind, local_rank)
+    if world == 1 and not dist.is_initialized():
+        return DistContext(0, 1, 0, device, "")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def shutdown(ctx: DistContext) -> None:
+    # a barrier before teardown avoids a rare gloo abort at exit (ENV.md trap 2)
+    if ctx.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_agree(ctx: DistContext, ok: bool) -> bool:
+    """True only if `ok` holds on every rank (so all ranks take the same branch)."""
+    if not ctx.distributed:
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=ctx.device)
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+def mean_over(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Average a tensor over a process group (identity without one)."""
+    if group is None and not dist.is_initialized():
+        return values
+    out = values.clone()
+    dist.all_reduce(out, group=group)
+    return out / dist.get_world_size(group)

@@ -1,0 +1,62 @@
+"""AdamW with weight-decay groups and the warmup + cosine learning-rate schedule.
+
+Decay applies to matrices only. Norm scales, biases (1-D) and router weights are not decayed:
+shrinking a router towards uniform logits fights the load-balancing it is trained for.
+"""
+import math
+
+import torch
+
+
+def is_no_decay(name: str, param: torch.Tensor) -> bool:
+    return param.ndim < 2 or "router" in name
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # named_parameters() lists a tied weight once
+        if p.requires_grad:
+            (no_decay if is_no_decay(name, p) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
+                             betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps)
+
+
+class WarmupCosine:
+    """lr(step): linear from lr/warmup to lr over `warmup` steps, then cosine down to
+    lr*min_ratio at `total`. `step()` is called after each optimizer step."""
+
+    def __init__(self, optimizer, lr: float, warmup: int, total: int, min_ratio: float):
+        self.optimizer, self.lr, self.warmup, self.total = optimizer, lr, warmup, total
+        self.min_ratio, self.last_step = min_ratio, 0
+        self._apply()
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        floor = self.lr * self.min_ratio
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.last_step)
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> float:
+        return self.lr_at(self.last_step)
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step = int(state["last_step"])
+        self._apply()

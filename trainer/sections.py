@@ -1,0 +1,72 @@
+"""The trainer's own config sections (model/moe come from models.config, parallel from
+parallel.plan). Every field has a one-line help in its metadata (shown by --help) and a
+default that trains on a laptop CPU in a few minutes.
+"""
+from dataclasses import dataclass, field
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs/default", "run directory: checkpoints/, metrics.jsonl, tb/ (TensorBoard), config.toml")
+    device: str = _f("auto", "auto (cuda when available, else cpu) | cpu | cuda")
+    overwrite: bool = _f(False, "start over in a run.dir that already holds a run (deletes its checkpoints and logs)")
+    dist_timeout_s: int = _f(300, "process-group timeout in seconds (a hung collective fails after this)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps to train for (the total, also when resuming)")
+    seed: int = _f(0, "seed for weights, data order, dropout and router jitter")
+    batch_size: int = _f(16, "GLOBAL batch in sequences per optimizer step (the same for every parallel layout)")
+    micro_batch_size: int = _f(0, "sequences per forward pass per data-parallel rank (gradient accumulation); 0 = whole per-rank batch")
+    lr: float = _f(2e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of train.lr")
+    warmup_steps: int = _f(20, "linear warmup steps from 0 to train.lr")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases, embeddings, router)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 = no clipping")
+    eval_every: int = _f(50, "evaluate the validation loss every N steps (and at the end); 0 = never")
+    eval_batches: int = _f(4, "validation batches (of train.batch_size sequences) per evaluation")
+    resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("stdlib", "'stdlib' (the embedded Python stdlib corpus), a folder of text files, a saved HF dataset, or a prepared dir")
+    tokenizer: str = _f("byte", "byte (UTF-8 bytes + eos, vocab 257) | bpe (trained locally, cached)")
+    vocab_size: int = _f(4096, "BPE vocabulary size (data.tokenizer='bpe' only)")
+    seq_len: int = _f(128, "tokens per training sequence (<= model.max_seq_len)")
+    val_fraction: float = _f(0.05, "fraction of documents held out for validation")
+    max_bytes: int = _f(0, "use only the first N bytes of text of the source; 0 = all")
+    text_field: str = _f("text", "column holding the text in a Hugging Face dataset")
+    cache_dir: str = _f(".cache/data", "where prepared token files and tokenizers are cached")
+    noise_density: float = _f(0.15, "span corruption: fraction of tokens masked (model.arch='switch')")
+    mean_span_length: float = _f(3.0, "span corruption: mean masked span length (model.arch='switch')")
+
+
+@dataclass
+class LogConfig:
+    every: int = _f(10, "print a log line every N steps (metrics.jsonl gets every step)")
+    progress: str = _f("auto", "auto (bar on a terminal, plain lines otherwise) | bar | plain | none")
+    tensorboard: bool = _f(True, "write TensorBoard events to run.dir/tb")
+    moe_stats_every: int = _f(10, "write per-layer expert-load histograms and routing stats every N steps; 0 = never")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(100, "save a checkpoint every N steps (and at the end); 0 = only at the end")
+    keep: int = _f(2, "complete checkpoints to keep (older ones are deleted after a newer one is complete)")
+    at_end: bool = _f(True, "save a checkpoint after the last step")
+
+
+CHOICES = {
+    ("run", "device"): ("auto", "cpu", "cuda"),
+    ("data", "tokenizer"): ("byte", "bpe"),
+    ("log", "progress"): ("auto", "bar", "plain", "none"),
+}
