@@ -1,0 +1,153 @@
+"""moefy: swap the dense FFNs of a Hugging Face model for MoE layers, in place (+ reload).
+
+Shapes: D model dim, F ffn dim, E experts.
+What gets replaced in each family is documented in moe/adapters/<family>.py. The swapped-in
+module keeps the replaced module's forward signature and output type, so the model's own
+forward, loss, generate() and save_pretrained() keep working.
+
+Save / reload route: `model.save_pretrained(dir)` works unchanged (moefy records its
+arguments as `config.moekit` in config.json); reload with `load_moefied(dir)`, which builds
+the dense model from the config, moefies it the same way and loads the saved state dict.
+Plain `from_pretrained` would build the dense model and cannot load MoE weights.
+"""
+import json
+import os
+
+import torch
+
+from .adapters import adapter_for
+from .aux import inject_aux_loss, moe_layers
+from .layer import MoELayer
+from .upcycle import upcycle_layer
+
+CONFIG_KEY = "moekit"   # the section moefy adds to model.config
+_NOT_KWARGS = {"d_model": "it comes from the model", "ep_group": (
+    "apply expert parallelism after moefy with the parallel/ functions")}
+_SHAPE_KWARGS = ("d_ff", "activation", "expert_bias")  # copied from the dense FFN when upcycling
+
+
+def _check_args(num_experts, top_k, every, upcycle, moe_kwargs) -> None:
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every={every!r} must be an integer >= 1 (1: every FFN, 2: every other)")
+    for name, why in _NOT_KWARGS.items():
+        if name in moe_kwargs:
+            raise ValueError(f"moefy got {name}=...: not allowed, {why}")
+    if upcycle:
+        for name in _SHAPE_KWARGS:
+            if name in moe_kwargs:
+                raise ValueError(f"moefy got {name}=... with upcycle=True: upcycled experts copy "
+                                 f"the dense FFN's {name}; drop it or pass upcycle=False")
+    try:
+        json.dumps(moe_kwargs)
+    except TypeError as e:
+        raise ValueError(f"moefy's extra MoELayer arguments must be plain values (they are "
+                         f"saved in config.json): {e}") from None
+    # num_experts / top_k / capacity_factor are validated by MoELayer with named errors
+    del num_experts, top_k
+
+
+def _selected(sites: list, every: int) -> list:
+    """FFN i of each stack is swapped iff (i + 1) % every == 0."""
+    seen, chosen = {}, []
+    for site in sites:
+        i = seen.get(site.stack, 0)
+        seen[site.stack] = i + 1
+        if (i + 1) % every == 0:
+            chosen.append(site)
+    return chosen
+
+
+def moefy(model, num_experts: int, top_k: int, every: int = 1, capacity_factor=None,
+          upcycle: bool = True, *, family=None, adapter=None, router_init_std: float = 1e-3,
+          inject_aux: bool = False, **moe_kwargs):
+    """Replace, in place, every `every`-th dense FFN of `model` with a moe.MoELayer.
+
+    family: force a built-in adapter (default: from model.config.model_type); adapter: your
+    own (see moe/adapters/base.py). upcycle: experts start as copies of the dense FFN and the
+    router small (see moe/upcycle.py); else MoELayer's own init. inject_aux: aux losses reach
+    backward without changing the training code (moe/aux.py). Other keyword arguments go to
+    MoELayer (aux_loss_coef, z_loss_coef, router, jitter, num_shared_experts, ...).
+    Returns the model.
+    """
+    _check_args(num_experts, top_k, every, upcycle, moe_kwargs)
+    adapter = adapter or adapter_for(model, family)
+    sites = adapter.sites(model)
+    if not sites:
+        done = " (it already has MoE layers: moefy it only once)" if moe_layers(model) else ""
+        raise ValueError(f"the {adapter.family} adapter found no dense FFN in "
+                         f"{type(model).__name__}{done}")
+    config = getattr(model, "config", None)
+    for site in _selected(sites, every):
+        spec = adapter.spec(site, config)
+        dense = adapter.dense_weights(site)
+        kwargs = {"activation": spec.activation, "expert_bias": spec.bias, "d_ff": spec.d_ff,
+                  **moe_kwargs}
+        moe = MoELayer(d_model=spec.d_model, num_experts=num_experts, top_k=top_k,
+                       capacity_factor=capacity_factor, **kwargs)
+        moe.to(device=dense.w1_DF.device, dtype=dense.w1_DF.dtype)
+        if upcycle:
+            upcycle_layer(moe, dense, router_init_std)
+        adapter.install(site, moe, spec)
+        site.owner.train(site.owner.training)  # new modules follow the model's train/eval mode
+    if config is not None:
+        setattr(config, CONFIG_KEY, {
+            "format": 1, "family": adapter.family, "num_experts": num_experts, "top_k": top_k,
+            "every": every, "capacity_factor": capacity_factor, "inject_aux": inject_aux,
+            "moe_kwargs": dict(moe_kwargs)})
+    if inject_aux:
+        inject_aux_loss(model)
+    return model
+
+
+def _read_state_dict(path: str) -> dict:
+    from safetensors.torch import load_file
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(single):
+        return load_file(single)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(path, name)))
+        return state
+    legacy = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path} holds no model.safetensors[.index.json] or "
+                            f"pytorch_model.bin; save with model.save_pretrained({path!r})")
+
+
+def _tied_keys(model) -> set:
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def load_moefied(path: str, adapter=None):
+    """Rebuild a model saved with save_pretrained after moefy, with its trained weights."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(path)
+    section = getattr(config, CONFIG_KEY, None)
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}/config.json has no '{CONFIG_KEY}' section: it was not saved "
+                         f"from a moefied model; load it with from_pretrained instead")
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch or "", None)
+    if cls is None:
+        raise ValueError(f"{path}/config.json names architectures={arch!r}, which transformers "
+                         f"does not export; save with model.save_pretrained")
+    model = cls(config)   # fresh init, overwritten by the saved weights below
+    moefy(model, section["num_experts"], section["top_k"], section["every"],
+          section["capacity_factor"], upcycle=False, family=section["family"],
+          adapter=adapter, inject_aux=section["inject_aux"], **section["moe_kwargs"])
+    state = _read_state_dict(path)
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in _tied_keys(model)]
+    if missing or unexpected:
+        raise ValueError(f"{path}: saved weights do not fit the rebuilt model: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.eval()
