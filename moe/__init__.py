@@ -3,6 +3,6 @@ from .experts import ACTIVATIONS, DenseFFN, ExpertBank
 from .layer import MoELayer
 from .router import Router
 from .stats import RoutingStats
-from .swap import moefy  # noqa: E402  (after MoELayer: swap builds on it)
+from .swap import moefy
 
 __all__ = ["MoELayer", "Router", "ExpertBank", "DenseFFN", "RoutingStats", "ACTIVATIONS", "moefy"]
