@@ -13,8 +13,6 @@ ARCHS = ("gpt", "switch")
 POSITIONS = ("rope", "learned")
 NORMS = ("rmsnorm", "layernorm")
 ROUTERS = ("token_choice", "expert_choice")
-# must match moe.experts.ACTIVATIONS; repeated here so configs import without torch
-ACTIVATION_NAMES = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
 _DROPLESS_WORDS = ("none", "null", "dropless", "")
 
 
@@ -76,7 +74,7 @@ class ModelConfig:
     tie_embeddings: bool = _help(True, "share the token embedding and output projection weights")
     norm: str = _help("rmsnorm", "normalisation: 'rmsnorm' or 'layernorm' (switch requires rmsnorm)")
     norm_eps: float = _help(1e-6, "epsilon of the norm layers")
-    activation: str = _help("gelu", f"FFN/expert activation: one of {list(ACTIVATION_NAMES)}")
+    activation: str = _help("gelu", "FFN/expert activation: gelu, gelu_tanh, relu, silu, swiglu, geglu, ... (moe.ACTIVATIONS)")
     bias: bool = _help(False, "gpt: biases in attention and FFN linears (switch never has biases)")
     init_std: float = _help(0.02, "std of the normal init; output projections use init_std/sqrt(2*n_layers)")
 
@@ -96,7 +94,8 @@ class ModelConfig:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         _choice(self, s, "positions", POSITIONS)
         _choice(self, s, "norm", NORMS)
-        _choice(self, s, "activation", ACTIVATION_NAMES)
+        from moe.experts import ACTIVATIONS  # the single list of supported activations
+        _choice(self, s, "activation", sorted(ACTIVATIONS))
         if self.arch == "switch" and self.norm != "rmsnorm":
             raise ValueError("model.norm must be 'rmsnorm' for arch='switch' (T5 style)")
         for n in ("init_std", "norm_eps", "rope_theta"):

@@ -1,0 +1,72 @@
+"""GPT-style decoder (GShard style): pre-norm blocks, MoE FFN in every k-th block.
+
+Shapes: B batch, S sequence, D model dim, V vocab.
+
+Structure (relied on by trainer and parallel/): tok_emb, pos_emb (None with RoPE), blocks
+(nn.ModuleList of Block: attn_norm, attn, ffn_norm, ffn), norm, lm_head. Any of tok_emb,
+norm, lm_head may be set to None by a pipeline split: forward then skips it, so a stage
+maps hidden states [B, S, D] to hidden states (or logits on the last stage).
+"""
+import torch
+import torch.nn as nn
+
+from .layers import Attention, Embedding, Linear, make_ffn, make_norm, out_init_std
+
+
+class Block(nn.Module):
+    """x + drop(attn(attn_norm(x))), then x + drop(ffn(ffn_norm(x)))."""
+
+    def __init__(self, model_cfg, moe_cfg, idx: int):
+        super().__init__()
+        m, out_std = model_cfg, out_init_std(model_cfg)
+        rope = m.rope_theta if m.positions == "rope" else None
+        self.attn_norm = make_norm(m.norm, m.d_model, m.norm_eps, m.bias)
+        self.attn = Attention(m.d_model, m.n_heads, bias=m.bias, dropout=m.dropout,
+                              init_std=m.init_std, out_init_std=out_std, rope_theta=rope)
+        self.ffn_norm = make_norm(m.norm, m.d_model, m.norm_eps, m.bias)
+        self.ffn = make_ffn(m, moe_cfg, idx, out_std, m.bias)
+        self.drop = nn.Dropout(m.dropout)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), causal=True))
+        return x_BSD + self.drop(self.ffn(self.ffn_norm(x_BSD)))
+
+
+class GPT(nn.Module):
+    def __init__(self, model_cfg, moe_cfg):
+        super().__init__()
+        m = model_cfg
+        self.model_cfg, self.moe_cfg = model_cfg, moe_cfg
+        self.tok_emb = Embedding(m.vocab_size, m.d_model, m.init_std)
+        self.pos_emb = Embedding(m.max_seq_len, m.d_model, m.init_std) if m.positions == "learned" else None
+        self.drop = nn.Dropout(m.dropout)
+        self.blocks = nn.ModuleList(Block(m, moe_cfg, i) for i in range(m.n_layers))
+        self.norm = make_norm(m.norm, m.d_model, m.norm_eps, m.bias)
+        self.lm_head = Linear(m.d_model, m.vocab_size, bias=False, init_std=m.init_std)
+        if m.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, S] -> logits [B, S, V] (or hidden states on a pipeline stage)."""
+        h_BSD = input_ids_BS
+        if self.tok_emb is not None:
+            h_BSD = self.embed(input_ids_BS)
+        for block in self.blocks:
+            h_BSD = block(h_BSD)
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        if self.lm_head is not None:
+            h_BSD = self.lm_head(h_BSD)
+        return h_BSD
+
+    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        if input_ids_BS.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"GPT expects integer token ids [B, S], got dtype {input_ids_BS.dtype}")
+        S = input_ids_BS.shape[-1]
+        if S > self.model_cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds model.max_seq_len="
+                             f"{self.model_cfg.max_seq_len}; raise model.max_seq_len or shorten the data")
+        x_BSD = self.tok_emb(input_ids_BS)
+        if self.pos_emb is not None:
+            x_BSD = x_BSD + self.pos_emb(torch.arange(S, device=input_ids_BS.device))
+        return self.drop(x_BSD)
