@@ -1,0 +1,122 @@
+"""moe.profile: expert-load counts, JSON/PNG/TensorBoard outputs, imbalance detection.
+
+Counts are integers and compared exactly against an independent top-k of the router logits.
+"""
+import collections
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from moe import MoELayer
+from moe.profile import profile_model
+
+V, D, F, E = 50, 16, 32, 4
+
+
+class Tiny(nn.Module):
+    """Embedding -> dropless MoE -> MoE with capacity 1.0 -> forced-imbalance MoE."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.free = MoELayer(D, F, E, top_k=2)
+        self.capped = MoELayer(D, F, E, top_k=2, capacity_factor=1.0)
+        self.skewed = MoELayer(D, F, E, top_k=2)
+        with torch.no_grad():
+            self.emb.weight[:, 0] = 1.0                 # a constant feature every token has
+            self.skewed.router.weight.zero_()
+            self.skewed.router.weight[1, 0] = 100.0    # huge router rows: experts 1 and 3
+            self.skewed.router.weight[3, 0] = 90.0     # take every token, 0 and 2 starve
+
+    def forward(self, ids_BS):
+        h = self.emb(ids_BS)
+        h = h + self.free(h)
+        h = h + self.capped(h)
+        return h + self.skewed(h)
+
+
+class FakeTokenizer:
+    def decode(self, ids):
+        return f"<{ids[0]}>"
+
+
+def test_counts_outputs_and_imbalance(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    batches = [torch.randint(0, V, (3, 10)) for _ in range(4)]
+    seen = []   # independent record: inputs reaching the dropless layer
+    hook = model.free.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    report = profile_model(model, batches, str(tmp_path), tokenizer=FakeTokenizer(), top_n=3)
+    hook.remove()
+    assert model.training, "profile_model must restore the training mode"
+    tokens = 4 * 3 * 10
+    free, capped, skewed = report["layers"]
+    assert [r["name"] for r in report["layers"]] == ["free", "capped", "skewed"]
+
+    # dropless layer: counts == bincount of an independent top-2 of the router logits
+    x_TD = torch.cat([x.reshape(-1, D) for x in seen])
+    ids_TK = torch.topk(x_TD @ model.free.router.weight.detach().t(), 2, dim=-1).indices
+    assert free["counts"] == torch.bincount(ids_TK.reshape(-1), minlength=E).tolist()
+    assert free["tokens"] == tokens and free["dropped"] == 0
+    # top tokens: each listed count equals an independent (expert, token id) count
+    token_T = torch.cat(batches).reshape(-1)
+    pairs = collections.Counter(zip(ids_TK.reshape(-1).tolist(),
+                                    token_T.repeat_interleave(2).tolist()))
+    for e, top in enumerate(free["top_tokens"]):
+        assert top[0]["count"] == max(c for (ee, _), c in pairs.items() if ee == e)
+        for entry in top:
+            assert entry["count"] == pairs[(e, entry["id"])]
+            assert entry["text"] == f"<{entry['id']}>"
+
+    # capacity layer: counts sum to tokens * top_k minus drops
+    assert sum(capped["routed"]) == tokens * 2
+    assert capped["dropped"] > 0
+    assert sum(capped["counts"]) == tokens * 2 - capped["dropped"]
+    assert capped["dropped_fraction"] == pytest.approx(capped["dropped"] / (tokens * 2))
+    assert abs(sum(capped["share"]) - 1.0) < 1e-9
+
+    # forced imbalance: experts 1 and 3 take everything
+    assert skewed["dead_experts"] == [0, 2]
+    assert skewed["counts"] == [0, tokens, 0, tokens]
+    assert skewed["imbalance"] == pytest.approx(2.0)
+    assert skewed["cv"] == pytest.approx(1.0)
+    assert free["imbalance"] < skewed["imbalance"] and free["dead_experts"] == []
+    assert report["summary"]["worst_layer"] == "skewed"
+    assert report["summary"]["dead_experts"] == 2
+    assert 0 <= skewed["entropy"] < 0.01 < free["entropy"] <= free["entropy_max"] + 1e-6
+
+    # files: JSON equal to the returned report, a real PNG, a TensorBoard event file
+    with open(tmp_path / "load.json") as f:
+        assert json.load(f) == json.loads(json.dumps(report))
+    from matplotlib.image import imread
+    png = imread(tmp_path / "load.png")
+    assert png.ndim == 3 and png.shape[0] > 100 and png.shape[1] > 100
+    tb_files = os.listdir(tmp_path / "tensorboard")
+    assert any(n.startswith("events.out.tfevents") for n in tb_files)
+
+
+def test_hf_encoder_decoder_streams_and_errors():
+    import transformers
+    from moe.swap import moefy
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(num_layers=1, d_model=D, d_ff=F, num_heads=2, d_kv=8,
+                                vocab_size=V, decoder_start_token_id=0)
+    model = moefy(transformers.T5ForConditionalGeneration(cfg), num_experts=E, top_k=1)
+    enc = torch.randint(0, 25, (2, 7))       # disjoint id ranges: a layer fed the wrong
+    dec = torch.randint(25, V, (2, 5))       # stream would list ids from the other range
+    report = profile_model(model, [{"input_ids": enc, "decoder_input_ids": dec}])
+    by_name = {r["name"].split(".")[0]: r for r in report["layers"]}
+    assert by_name["encoder"]["tokens"] == 14 and by_name["decoder"]["tokens"] == 10
+    enc_ids = {t["id"] for top in by_name["encoder"]["top_tokens"] for t in top}
+    dec_ids = {t["id"] for top in by_name["decoder"]["top_tokens"] for t in top}
+    assert enc_ids <= set(enc.flatten().tolist()) and dec_ids <= set(dec.flatten().tolist())
+    assert sum(by_name["decoder"]["counts"]) == 10   # top-1, dropless
+
+    with pytest.raises(ValueError, match="no MoELayer.*moefy"):
+        profile_model(nn.Linear(3, 3), [torch.zeros(1, 3)])
+    with pytest.raises(ValueError, match="empty"):
+        profile_model(model, [])
