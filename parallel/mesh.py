@@ -1,0 +1,67 @@
+"""Device meshes built from a validated ParallelPlan (see plan.py for the rank layout).
+
+P ranks = pp * dp * tp. Three views of the same ranks, each a DeviceMesh with named dims:
+  dense  ("pp", "dp", "tp"): attention/embeddings/dense FFN; dp averages, tp splits.
+  expert ("pp", "edp", "ep"): MoE experts; ep splits experts, edp holds copies.
+  pool   ("pp", "pool"):      the dp*tp ranks of one stage that see distinct tokens in MoE
+                              layers; router (and shared-expert) grads are reduced over it.
+Rank r sits at dense[r // (dp*tp), (r // tp) % dp, r % tp]; the pool index is r % (dp*tp) and
+the expert coordinates are (pool // ep, pool % ep), so with ep == tp the ep group is the tp group.
+Every mesh creation is a collective: all ranks must call build_meshes with the same plan.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .plan import ParallelPlan
+
+
+def default_device_type() -> str:
+    """'cuda' when this process has a GPU, else 'cpu' (gloo)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Meshes:
+    plan: ParallelPlan
+    dense: DeviceMesh
+    expert: DeviceMesh
+    pool: DeviceMesh
+
+    def group(self, name: str):
+        """Process group of this rank along one named dim: pp, dp, tp, edp, ep or pool."""
+        for mesh in (self.dense, self.expert, self.pool):
+            if name in mesh.mesh_dim_names:
+                return mesh.get_group(name)
+        raise KeyError(f"no mesh dim named {name!r}; use pp, dp, tp, edp, ep or pool")
+
+    def size(self, name: str) -> int:
+        return dist.get_world_size(self.group(name))
+
+    def rank(self, name: str) -> int:
+        return dist.get_rank(self.group(name))
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank() // (self.plan.dp * self.plan.tp)
+
+
+def build_meshes(plan: ParallelPlan, device_type: str | None = None) -> Meshes:
+    """Create the dense, expert and pool meshes for a plan already validated for the world."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_meshes needs torch.distributed initialised (init_process_group)")
+    world = dist.get_world_size()
+    if plan.dp < 1 or plan.world != world:
+        raise ValueError(f"plan is for {plan.world if plan.dp > 0 else '?'} ranks but the world has "
+                         f"{world}; call plan.validate({world}) first and pass its result")
+    device_type = device_type or default_device_type()
+    ranks = torch.arange(world)
+    dense = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.dp, plan.tp),
+                       mesh_dim_names=("pp", "dp", "tp"))
+    expert = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.edp, plan.ep),
+                        mesh_dim_names=("pp", "edp", "ep"))
+    pool = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.dp * plan.tp),
+                      mesh_dim_names=("pp", "pool"))
+    return Meshes(plan, dense, expert, pool)
