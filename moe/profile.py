@@ -197,3 +197,10 @@ def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=N
     if out_dir is not None:
         write_outputs(report, out_dir, writer, step)
     return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    from .profile_cli import main
+    sys.exit(main())

@@ -120,3 +120,41 @@ def test_hf_encoder_decoder_streams_and_errors():
         profile_model(nn.Linear(3, 3), [torch.zeros(1, 3)])
     with pytest.raises(ValueError, match="empty"):
         profile_model(model, [])
+
+
+def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
+    # the [hf] section + train.py config -> model -> validation batches -> files; a small corpus
+    from moe.profile_cli import build_model, load_checkpoint_weights, load_run_config, main
+    cfg_file = tmp_path / "hf.toml"
+    cfg_file.write_text(
+        '[hf]\nfamily = "gpt2"\n[model]\nvocab_size = 256\nd_model = 32\nn_layers = 2\n'
+        'n_heads = 2\nd_ff = 64\nmax_seq_len = 64\n[moe]\nnum_experts = 4\ntop_k = 2\n'
+        f'every = 1\n[train]\nbatch_size = 2\n[data]\nseq_len = 32\nmax_bytes = 200000\n'
+        f'cache_dir = "{tmp_path / "cache"}"\n')
+    out = tmp_path / "prof"
+    assert main(["--config", str(cfg_file), "--out", str(out), "--batches", "2"]) == 0
+    report = json.loads((out / "load.json").read_text())
+    assert [r["name"] for r in report["layers"]] == [f"hf.transformer.h.{i}.mlp.moe" for i in (0, 1)]
+    for r in report["layers"]:
+        assert r["tokens"] == 2 * 2 * 32 and sum(r["counts"]) == r["tokens"] * 2
+        assert all(isinstance(t["text"], str) for top in r["top_tokens"] for t in top)
+    assert "hf.transformer.h.1.mlp.moe" in capsys.readouterr().out
+    assert main(["--config", str(cfg_file), "--out", str(out), "hf.family=bert"]) == 2
+    assert "masked-LM" in capsys.readouterr().err
+
+    # checkpoint weights: saved by the trainer's checkpoint code, loaded into a fresh model
+    from trainer import checkpoint
+    from trainer.distributed import DistContext
+    cfg, hf = load_run_config(str(cfg_file))
+    trained, _ = build_model(cfg, hf, torch.device("cpu"))
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "")
+    checkpoint.save(ctx, tmp_path / "run", 3, trained, opt, {}, keep=1)
+    fresh, _ = build_model(cfg, hf, torch.device("cpu"))
+    assert not torch.equal(fresh.hf.lm_head.weight, trained.hf.lm_head.weight)
+    load_checkpoint_weights(fresh, tmp_path / "run")
+    for (name, a), b in zip(trained.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name

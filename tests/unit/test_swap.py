@@ -177,3 +177,25 @@ def test_errors_name_the_problem():
     assert all(isinstance(m, MoELayer) for _, m in moe_layers(model))
     with pytest.raises(ValueError, match="hidden_act"):
         moefy(tiny("llama", hidden_act="relu"), 4, 2)
+
+
+def test_build_hf_model_from_config_and_pretrained(tmp_path):
+    from models.config import ModelConfig, MoEConfig
+    from moe.hf_build import HFConfig, build_hf_model
+    m = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=2, d_ff=F, max_seq_len=32)
+    moe_cfg = MoEConfig(num_experts=4, top_k=2, every=1, capacity_factor=None)
+    t5 = build_hf_model(HFConfig(family="t5"), m, moe_cfg, seed=3)
+    b = batch("t5")
+    assert t5.task == "switch" and len(moe_layers(t5)) == 4
+    assert t5(b["input_ids"], b["decoder_input_ids"]).shape == (2, S, V)
+    again = build_hf_model(HFConfig(family="t5"), m, moe_cfg, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(t5.state_dict().values(), again.state_dict().values()))
+
+    dense = tiny("llama").eval()
+    dense.save_pretrained(tmp_path)
+    lm = build_hf_model(HFConfig(family="llama", pretrained=str(tmp_path)), m, moe_cfg).eval()
+    ids = batch("llama")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), dense(input_ids=ids).logits, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="masked-LM"):
+        build_hf_model(HFConfig(family="bert"), m, moe_cfg)
