@@ -1,1 +1,69 @@
-print("placeholder")
+"""Train a Mixture-of-Experts model.
+
+    python train.py                                   # small MoE GPT on the embedded corpus (CPU)
+    python train.py --config configs/NAME.toml [section.field=value ...]
+    torchrun --nproc-per-node 2 train.py parallel.dp=2 [...]
+
+Without --config the built-in defaults run (the same values as configs/default.toml).
+`python train.py --help` lists every section and field with its default and meaning.
+"""
+import sys
+
+
+def _usage() -> str:
+    return (__doc__.strip() + "\n\noptions:\n  --config PATH   TOML file (sections as below)\n"
+            "  --help          this text\n  --print-config  show the resolved config and exit\n\n")
+
+
+def parse_args(argv):
+    """(config path or None, overrides, flags) from argv; ConfigError on a malformed one."""
+    from trainer.config import ConfigError
+    path, overrides, flags = None, [], set()
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            flags.add("help")
+        elif arg == "--print-config":
+            flags.add("print-config")
+        elif arg == "--config":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("--config needs a path, e.g. --config configs/default.toml")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}; options are --config, --help, --print-config "
+                             f"(config fields are given as section.field=value)")
+        else:
+            overrides.append(arg)
+    return path, overrides, flags
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from trainer.config import ConfigError, help_text, load_config, to_toml
+    from trainer.distributed import env_rank
+    try:
+        path, overrides, flags = parse_args(argv)
+        if "help" in flags:
+            print(_usage() + help_text())
+            return 0
+        cfg = load_config(path, overrides)
+        if "print-config" in flags:
+            print(to_toml(cfg))
+            return 0
+        from trainer.loop import run
+        return run(cfg)
+    except ConfigError as e:
+        if env_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if env_rank() == 0:
+            print("interrupted; the last complete checkpoint is kept (resume with train.resume=true)",
+                  file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

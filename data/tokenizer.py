@@ -13,17 +13,19 @@ EOS_TEXT = "<|eos|>"
 
 
 class ByteTokenizer:
-    """Ids 0..255 are the bytes of the UTF-8 text; 256 separates documents."""
+    """Ids are the bytes of the UTF-8 text. Byte 0 (NUL) never occurs in text, so it serves
+    as the document separator and the vocabulary stays at exactly 256."""
 
     kind = "byte"
-    vocab_size = 257
-    eos_id = 256
+    vocab_size = 256
+    eos_id = 0
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        data = text.encode("utf-8").replace(b"\0", b"")
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
 
     def decode(self, ids) -> str:
-        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        data = bytes(int(i) for i in ids if 0 < int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
 

@@ -110,7 +110,7 @@ def _set(cfg: Config, section: str, name: str, value, from_cli: bool) -> None:
     if name not in names:
         full = [f"{section}.{n}" for n in names] + [f"{s}.{n}" for s in section_names()
                                                    for n in _names(getattr(cfg, s))]
-        raise ConfigError(f"unknown config field {section}.{name!r}" + _closest(f"{section}.{name}", full))
+        raise ConfigError(f"unknown config field '{section}.{name}'" + _closest(f"{section}.{name}", full))
     tp = _field_types(sec)[name]
     if from_cli and isinstance(value, (int, float, bool)) and _is_optional(tp)[1] is str:
         value = str(value)

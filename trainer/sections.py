@@ -39,7 +39,7 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = _f("stdlib", "'stdlib' (the embedded Python stdlib corpus), a folder of text files, a saved HF dataset, or a prepared dir")
-    tokenizer: str = _f("byte", "byte (UTF-8 bytes + eos, vocab 257) | bpe (trained locally, cached)")
+    tokenizer: str = _f("byte", "byte (UTF-8 bytes, NUL separates documents, vocab 256) | bpe (trained locally, cached)")
     vocab_size: int = _f(4096, "BPE vocabulary size (data.tokenizer='bpe' only)")
     seq_len: int = _f(128, "tokens per training sequence (<= model.max_seq_len)")
     val_fraction: float = _f(0.05, "fraction of documents held out for validation")

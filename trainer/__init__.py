@@ -1,0 +1,1 @@
+"""Training: config system, loop, optimizer, checkpoints, metrics (train.py is the entry point)."""

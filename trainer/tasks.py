@@ -1,0 +1,64 @@
+"""Turning token samples into a loss, per model family.
+
+Shapes: B sequences, S sequence length, V vocabulary.
+gpt:    next-token prediction on samples of S+1 tokens.
+switch: T5 span corruption of each sample (data/span_corruption.py), seeded by the sample's
+        global index and the train seed, so every layout corrupts a sample identically.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over labelled positions (label -100 = ignored), in fp32."""
+    V = logits_BSV.shape[-1]
+    return F.cross_entropy(logits_BSV.float().reshape(-1, V), labels_BS.reshape(-1),
+                           ignore_index=-100)
+
+
+def gpt_loss(model, samples_BS1: torch.Tensor) -> torch.Tensor:
+    inputs_BS, labels_BS = samples_BS1[:, :-1], samples_BS1[:, 1:]
+    return token_loss(model(inputs_BS), labels_BS)
+
+
+def switch_batch(samples_BS1, indices, seed: int, vocab_size: int, data_cfg) -> dict:
+    """Span-corrupt each sample; returns input_ids, decoder_input_ids, labels tensors [B, *]."""
+    from data.span_corruption import span_corrupt_batch
+    return span_corrupt_batch(samples_BS1, seeds=[(seed, int(i)) for i in indices],
+                              vocab_size=vocab_size, noise_density=data_cfg.noise_density,
+                              mean_span_length=data_cfg.mean_span_length)
+
+
+def switch_loss(model, batch: dict) -> torch.Tensor:
+    logits = model(batch["input_ids"], batch["decoder_input_ids"])
+    return token_loss(logits, batch["labels"])
+
+
+class Task:
+    """Moves a batch of samples to the device and computes the loss for the model family."""
+
+    def __init__(self, arch: str, seed: int, vocab_size: int, data_cfg, device):
+        self.arch, self.seed, self.vocab_size = arch, seed, vocab_size
+        self.data_cfg, self.device = data_cfg, device
+
+    def prepare(self, samples_BS1: torch.Tensor, indices):
+        if self.arch == "switch":
+            batch = switch_batch(samples_BS1, indices, self.seed, self.vocab_size, self.data_cfg)
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return samples_BS1.to(self.device, non_blocking=True)
+
+    def split(self, batch, n: int) -> list:
+        """n equal micro-batches along the batch dim."""
+        if isinstance(batch, dict):
+            parts = {k: v.chunk(n) for k, v in batch.items()}
+            return [{k: parts[k][i] for k in parts} for i in range(n)]
+        return list(batch.chunk(n))
+
+    def loss(self, model, batch) -> torch.Tensor:
+        return switch_loss(model, batch) if self.arch == "switch" else gpt_loss(model, batch)
+
+    def tokens(self, batch) -> int:
+        """Tokens the model consumed (for tokens/s)."""
+        if isinstance(batch, dict):
+            return int(batch["input_ids"].numel() + batch["decoder_input_ids"].numel())
+        return int(batch[:, :-1].numel())
