@@ -110,7 +110,8 @@ class TinyMoENet(nn.Module):
     def __init__(self, E, k, cf):
         super().__init__()
         self.inp = nn.Linear(5, D)
-        self.moe = MoELayer(D, F, E, top_k=k, capacity_factor=cf, activation="swiglu")
+        self.moe = MoELayer(D, F, E, top_k=k, capacity_factor=cf, activation="swiglu",
+                            init_std=0.3)  # experts large enough to matter in the norm
         self.out = nn.Linear(D, 3)
 
     def forward(self, x):
