@@ -11,6 +11,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from models import build_model, init_weights
 from models.config import ModelConfig, MoEConfig
 from moe.aux import collect_aux_loss
 
@@ -24,38 +25,9 @@ def configs(n_layers=4, num_experts=4, top_k=2, positions="rope", tie=True):
     return model_cfg, moe_cfg
 
 
-class _Block(torch.nn.Module):  # stand-in until models/ lands
-    def __init__(self, d, moe):
-        super().__init__()
-        from moe import DenseFFN, MoELayer
-        self.attn_norm, self.ffn_norm = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.attn = torch.nn.Linear(d, d)
-        self.ffn = MoELayer(d, 64, moe.num_experts, moe.top_k) if moe else DenseFFN(d, 64)
-
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.ffn(self.ffn_norm(x))
-
-
-class _StandIn(torch.nn.Module):
-    def __init__(self, m, moe):
-        super().__init__()
-        self.tok_emb = torch.nn.Embedding(m.vocab_size, m.d_model)
-        self.blocks = torch.nn.ModuleList(_Block(m.d_model, moe if (i + 1) % 2 == 0 else None)
-                                          for i in range(m.n_layers))
-        self.norm = torch.nn.LayerNorm(m.d_model)
-        self.lm_head = torch.nn.Linear(m.d_model, m.vocab_size, bias=False)
-
-    def forward(self, x):
-        h = self.tok_emb(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.lm_head(self.norm(h))
-
-
 def make_model(model_cfg, moe_cfg, seed=0):
-    torch.manual_seed(seed)
-    return _StandIn(model_cfg, moe_cfg)
+    model = build_model(model_cfg, moe_cfg, device="meta")
+    return init_weights(model, seed, torch.device("cpu"))
 
 
 def batch(step: int, vocab: int = 64):
