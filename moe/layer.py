@@ -12,18 +12,22 @@ from .router import ROUTER_KINDS, Router
 from .stats import RoutingStats
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python
+
+
 def _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_capacity_factor,
                 router, num_shared_experts):
     for name, v in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
-        if not isinstance(v, int) or v < 1:
+        if not _is_int(v) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
-    if not isinstance(top_k, int) or top_k < 1:
+    if not _is_int(top_k) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be an integer >= 1")
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}; "
                          f"use top_k <= num_experts")
     for name, cf in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-        if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
             raise ValueError(f"{name}={cf!r} must be a positive number, or None for dropless")
     if router not in ROUTER_KINDS:
         raise ValueError(f"router={router!r} is not supported; use one of {ROUTER_KINDS}")

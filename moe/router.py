@@ -2,7 +2,8 @@
 
 Shapes: T tokens, D model dim, E experts, K top-k, G routing groups, S tokens per group,
 C expert capacity per group, A assignments.
-Logits and probabilities are always fp32, whatever the input dtype.
+Logits and probabilities are fp32 for fp32/bf16/fp16 inputs (fp64 inputs stay fp64, so a
+float64 reference run is exact), whatever the parameter dtype.
 """
 import torch
 import torch.nn as nn
@@ -38,11 +39,12 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=self.init_std)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        x32_TD = x_TD.float()
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        x32_TD = x_TD.to(dtype)
         if self.training and self.jitter > 0:
             noise = torch.empty_like(x32_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x32_TD = x32_TD * noise
-        return x32_TD @ self.weight.float().t()
+        return x32_TD @ self.weight.to(dtype).t()
 
     def forward(self, x_GSD: torch.Tensor, capacity_factor) -> Routing:
         G, S, D = x_GSD.shape

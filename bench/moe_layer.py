@@ -1,0 +1,207 @@
+"""Benchmark: forward+backward of moe.MoELayer against a floor and two peer implementations.
+
+Shapes: T tokens, D model dim, F ffn dim, E experts, K top-k, N = T*K routed rows.
+Every contender runs in this process on the same machine state, and is reported as the
+median of several timed repetitions after warm-up, plus its ratio to the floor:
+
+  floor      the same routed FLOPs as perfectly balanced grouped dense matmuls
+             (torch.bmm over [E, N/E, D]) with the same activation and no routing at all
+  moekit     moe.MoELayer, dropless
+  hf         transformers' MixtralSparseMoeBlock (swiglu), built from a small config
+  fairscale  fairscale MOELayer + Top2Gate (k=2, fp32 only; world-1 process group)
+
+Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, about 10 minutes)
+      python bench/moe_layer.py --quick    (smoke run on a toy size, seconds)
+Timings are wall-clock on a shared CPU: read ratios measured in the same run, not absolutes.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe import MoELayer  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_seconds(step, reps: int, warmup: int) -> float:
+    """Median wall time of `step()` over `reps` runs after `warmup` untimed runs."""
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fwd_bwd_step(module, x, grad_y):
+    """One forward+backward; gradients are dropped (set_to_none) so nothing accumulates."""
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = module(x)
+        y.backward(grad_y)
+    return step
+
+
+class Floor(torch.nn.Module):
+    """Perfectly balanced experts: [E, N/E, D] rows through bmm FFNs, no routing."""
+
+    def __init__(self, E, D, F_, act, dtype):
+        super().__init__()
+        gated = act == "swiglu"
+        mk = lambda *s: torch.nn.Parameter(torch.randn(*s, dtype=dtype) * 0.02)  # noqa: E731
+        self.w1, self.w2 = mk(E, D, F_), mk(E, F_, D)
+        self.w3 = mk(E, D, F_) if gated else None
+        self.act = F.silu if gated else F.gelu
+
+    def forward(self, x_END):
+        h = self.act(torch.bmm(x_END, self.w1))
+        if self.w3 is not None:
+            h = h * torch.bmm(x_END, self.w3)
+        return torch.bmm(h, self.w2)
+
+
+def floor_case(T, D, F_, E, K, act, dtype, dev):
+    if (T * K) % E:
+        raise ValueError(f"T*K={T * K} must be divisible by E={E} for a balanced floor")
+    mod = Floor(E, D, F_, act, dtype).to(dev)
+    x = torch.randn(E, T * K // E, D, dtype=dtype, device=dev, requires_grad=True)
+    return mod, x
+
+
+def ours_case(T, D, F_, E, K, act, dtype, dev):
+    mod = MoELayer(D, F_, E, K, None, act).to(device=dev, dtype=dtype)
+    x = torch.randn(T, D, dtype=dtype, device=dev, requires_grad=True)
+    return mod, x
+
+
+def hf_case(T, D, F_, E, K, act, dtype, dev):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    import transformers
+    transformers.logging.set_verbosity_error()  # standalone block: silence the interface note
+    cfg = MixtralConfig(hidden_size=D, intermediate_size=F_, num_local_experts=E,
+                        num_experts_per_tok=K)
+    mod = MixtralSparseMoeBlock(cfg)
+    for p in mod.parameters():  # the block leaves its weights uninitialised (torch.empty)
+        torch.nn.init.normal_(p, std=0.02)
+    mod = mod.to(device=dev, dtype=dtype)
+    x = torch.randn(1, T, D, dtype=dtype, device=dev, requires_grad=True)
+    return mod, x
+
+
+def fairscale_case(T, D, F_, E, K, act, dtype, dev):
+    import torch.distributed as dist
+    from fairscale.nn import MOELayer, Top2Gate
+    if K != 2 or dtype != torch.float32:
+        raise ValueError("fairscale Top2Gate is k=2 and fp32 only")
+    if not dist.is_initialized():  # world of one, only so MOELayer has a group
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    gelu_or_silu = torch.nn.GELU() if act == "gelu" else torch.nn.SiLU()
+    experts = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(D, F_, bias=False), gelu_or_silu,
+                            torch.nn.Linear(F_, D, bias=False)) for _ in range(E))
+    mod = MOELayer(Top2Gate(D, E), experts).to(dev)
+    # MOELayer wants the leading dim divisible by the local expert count
+    x = torch.randn(E, T // E, D, device=dev, requires_grad=True)
+    return mod, x
+
+
+CASES = {"floor": floor_case, "moekit": ours_case, "hf": hf_case, "fairscale": fairscale_case}
+
+
+def measure(name, T, D, F_, E, K, act, dtype, reps, warmup):
+    mod, x = CASES[name](T, D, F_, E, K, act, dtype, device())
+    y = mod(x)
+    grad_y = torch.randn_like(y)
+    del y
+    sec = median_seconds(fwd_bwd_step(mod, x, grad_y), reps, warmup)
+    del mod, x, grad_y
+    return sec
+
+
+def run_config(rows, T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
+    """Measure the floor and every contender for one config; append printable rows."""
+    dtype = DTYPES[dtype_name]
+    floor = measure("floor", T, D, F_, E, K, act, dtype, reps, warmup)
+    label = f"T={T} E={E} k={K} {act} {dtype_name}"
+    rows.append((label, "floor", floor, 1.0))
+    print(f"{label:36s} {'floor':10s} {floor * 1e3:9.1f} ms   1.00x", flush=True)
+    for name in ["moekit"] + peers:
+        sec = measure(name, T, D, F_, E, K, act, dtype, reps, warmup)
+        rows.append((label, name, sec, sec / floor))
+        print(f"{label:36s} {name:10s} {sec * 1e3:9.1f} ms   {sec / floor:.2f}x", flush=True)
+    return floor
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="toy sizes and few reps (smoke run)")
+    ap.add_argument("--tokens", type=int, default=None, help="T (default 8192, quick 256)")
+    ap.add_argument("--d-model", type=int, default=None)
+    ap.add_argument("--d-ff", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median taken)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: main,sweep,peers")
+    args = ap.parse_args(argv)
+    q = args.quick
+    T = args.tokens or (256 if q else 8192)
+    D = args.d_model or (32 if q else 512)
+    F_ = args.d_ff or (64 if q else 2048)
+    reps = args.reps or (2 if q else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if q else 2)
+    skip = set(filter(None, args.skip.split(",")))
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, device {device()}, threads {torch.get_num_threads()}, "
+          f"D={D} F={F_}, median of {reps} after {warmup} warm-up", flush=True)
+
+    rows = []
+    peers_on = "peers" not in skip
+    if "main" not in skip:
+        for dtype_name in ("fp32", "bf16"):
+            for K in (2, 1):
+                peers = ["fairscale"] if peers_on and K == 2 and dtype_name == "fp32" else []
+                run_config(rows, T, D, F_, 16, K, "gelu", dtype_name, peers, reps, warmup)
+            if peers_on:  # Mixtral is swiglu: compare it against a swiglu floor and layer
+                run_config(rows, T, D, F_, 16, 2, "swiglu", dtype_name, ["hf"], reps, warmup)
+    if "sweep" not in skip:
+        print("\nE sweep (k=2, gelu, fp32): cost per token relative to E=8", flush=True)
+        base = {}
+        for E in ((4, 8, 16) if q else (8, 16, 32, 64, 128)):
+            t_floor = measure("floor", T, D, F_, E, 2, "gelu", torch.float32, reps, warmup)
+            t_ours = measure("moekit", T, D, F_, E, 2, "gelu", torch.float32, reps, warmup)
+            base.setdefault("floor", t_floor)
+            base.setdefault("moekit", t_ours)
+            print(f"E={E:4d}  floor {t_floor * 1e3:8.1f} ms ({t_floor / base['floor']:.2f}x)   "
+                  f"moekit {t_ours * 1e3:8.1f} ms ({t_ours / base['moekit']:.2f}x, "
+                  f"{t_ours / t_floor:.2f}x floor)", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
