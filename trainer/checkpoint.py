@@ -10,10 +10,12 @@ A save goes to checkpoints/.tmp-step_.../ and is renamed into place only when ev
 has finished writing, so a crash mid-save leaves a temp dir that is never taken for a
 checkpoint; older checkpoints are pruned only after the new one is complete.
 """
+import contextlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -95,7 +97,8 @@ def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(ctx)
-    dcp.save(_model_optim_state(model, optimizer, transform), checkpoint_id=str(tmp))
+    with _quiet_single_process(ctx):
+        dcp.save(_model_optim_state(model, optimizer, transform), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     if ctx.is_main:
         state = dict(trainer_state, step=step, world_size=ctx.world_size)
@@ -110,6 +113,15 @@ def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: i
             shutil.rmtree(old, ignore_errors=True)
     barrier(ctx)
     return final
+
+
+@contextlib.contextmanager
+def _quiet_single_process(ctx):
+    """DCP warns that it assumes one process when there is no process group: that is intended."""
+    with warnings.catch_warnings():
+        if not ctx.distributed:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:
@@ -133,7 +145,8 @@ def load(ctx, path, model, optimizer, transform=None, untransform=None) -> dict:
     """
     path = Path(path)
     state = _model_optim_state(model, optimizer, transform)
-    dcp.load(state, checkpoint_id=str(path))
+    with _quiet_single_process(ctx):
+        dcp.load(state, checkpoint_id=str(path))
     model_sd, optim_sd = state["model"], state["optim"]
     if untransform is not None:
         model_sd, optim_sd = untransform(model_sd, optim_sd)

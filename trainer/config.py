@@ -1,7 +1,7 @@
 """The run configuration: one dataclass per concern, filled from defaults, then a TOML file,
 then `section.field=value` command-line overrides (later wins).
 
-Sections: run, model, moe, parallel, train, data, log, checkpoint. Field help lives in each
+Sections: run, model, moe, parallel, train, data, log, checkpoint, hf. Field help lives in each
 dataclass field's metadata["help"]. Every mistake raises ConfigError naming the field and
 the fix (unknown names get the closest valid one); train.py prints it without a traceback.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.config import ModelConfig, MoEConfig
+from moe.hf_build import HFConfig
 from parallel.plan import ParallelPlan
 
 from .sections import CHOICES, CheckpointConfig, DataConfig, LogConfig, RunConfig, TrainConfig
@@ -33,6 +34,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hf: HFConfig = field(default_factory=HFConfig)
 
 
 SECTION_DOCS = {
@@ -44,6 +46,7 @@ SECTION_DOCS = {
     "data": "corpus, tokenizer and sequence length",
     "log": "metrics.jsonl, TensorBoard, progress display",
     "checkpoint": "torch.distributed.checkpoint saves in run.dir/checkpoints",
+    "hf": "train a Hugging Face model family with MoE FFNs instead of model.arch (moe/hf_build.py)",
 }
 
 
@@ -248,7 +251,7 @@ def validate(cfg: Config, world_size: int):
     """Check every section and their combination; returns the resolved ParallelPlan."""
     _check_own(cfg)
     try:
-        for name in ("model", "moe"):
+        for name in ("model", "moe", "hf"):
             check = getattr(getattr(cfg, name), "validate", None)
             if check is not None:
                 check()

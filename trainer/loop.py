@@ -16,6 +16,7 @@ import models
 from data.prepare import prepared_dir
 from data.sampler import BatchSampler, eval_indices, open_split
 from moe.aux import collect_aux_loss
+from moe.hf_build import TASKS as HF_TASKS
 from moe.stats import RoutingStats, merge_stats
 
 from . import checkpoint
@@ -25,7 +26,7 @@ from .metrics import MetricsLogger
 from .optim import WarmupCosine, build_optimizer
 from .parallelism import build_layout
 from .run_dir import clear_run, plan_start
-from .tasks import Task, token_loss
+from .tasks import Task, sentinels_needed, token_loss
 
 
 def run(cfg) -> int:
@@ -55,33 +56,38 @@ def _prepare_data(cfg, ctx) -> Path:
     return prepared_dir(cfg.data)
 
 
-def _check_vocab(cfg, data_dir) -> None:
+def _check_vocab(cfg, data_dir, arch: str) -> None:
     from data.tokenizer import load_tokenizer
-    vocab = load_tokenizer(data_dir).vocab_size
-    if cfg.model.vocab_size < vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({vocab}, data.tokenizer={cfg.data.tokenizer!r}); set "
-                          f"model.vocab_size={vocab} or more")
+    vocab = need = load_tokenizer(data_dir).vocab_size
+    why = f"the tokenizer's vocabulary ({vocab}, data.tokenizer={cfg.data.tokenizer!r})"
+    if arch == "switch":
+        need = vocab + sentinels_needed(cfg.data.seq_len, cfg.data)
+        why += f" plus {need - vocab} span-corruption sentinel ids"
+    if cfg.model.vocab_size < need:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {why}; set "
+                          f"model.vocab_size={need} or more")
 
 
 def _run(cfg, ctx) -> int:
     plan = validate(cfg, ctx.world_size)
     resume_from = plan_start(cfg, ctx.world_size)
     run_dir = Path(cfg.run.dir)
+    data_dir = _prepare_data(cfg, ctx)
+    arch = HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
+    _check_vocab(cfg, data_dir, arch)
     barrier(ctx)  # every rank has checked the run dir before rank 0 changes it
     if ctx.is_main:
         if cfg.run.overwrite:
             clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-    data_dir = _prepare_data(cfg, ctx)
-    _check_vocab(cfg, data_dir)
     train_file = open_split(data_dir, "train", cfg.data.seq_len)
     val_file = open_split(data_dir, "val", cfg.data.seq_len)
 
     torch.manual_seed(cfg.train.seed)
-    model = models.build_model(cfg.model, cfg.moe, device="meta")
+    model = _build_model(cfg, ctx)
     layout = build_layout(ctx, plan, model, loss_fn=token_loss)
-    models.init_weights(model, cfg.train.seed, ctx.device)
+    if not cfg.hf.family:
+        models.init_weights(model, cfg.train.seed, ctx.device)
     optimizer = layout.prepare_optimizer(model, build_optimizer(model, cfg.train))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)
@@ -102,7 +108,7 @@ def _run(cfg, ctx) -> int:
     try:
         _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from)
         state = _State(cfg, ctx, layout, model, optimizer, sched, sampler, train_file, val_file, log)
-        state.task = Task(cfg.model.arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device)
+        state.task = Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device)
         for step in range(start + 1, cfg.train.steps + 1):
             state.step(step)
     finally:
@@ -110,11 +116,23 @@ def _run(cfg, ctx) -> int:
     return 0
 
 
+def _build_model(cfg, ctx):
+    """Our models on the meta device (initialised after parallelize), or a
+    Hugging Face family with MoE FFNs when hf.family is set (built initialised)."""
+    if cfg.hf.family:
+        from moe.hf_build import build_hf_model
+        if (cfg.parallel.tp, cfg.parallel.pp) != (1, 1):
+            raise ConfigError("hf.family models support data/expert parallelism and ZeRO only; "
+                              "set parallel.tp=1 and parallel.pp=1")
+        return build_hf_model(cfg.hf, cfg.model, cfg.moe, seed=cfg.train.seed, device=ctx.device)
+    return models.build_model(cfg.model, cfg.moe, device="meta")
+
+
 def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> None:
     counts = models.count_params(model)
     log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout dp={plan.dp} "
              f"tp={plan.tp} pp={plan.pp} ep={plan.ep} zero={plan.zero}")
-    log.info(f"model: {cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
+    log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
              f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
              f"{len(models.moe_layers(model))} MoE layer(s)")
     log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "

@@ -24,9 +24,18 @@ def gpt_loss(model, samples_BS1: torch.Tensor) -> torch.Tensor:
 def switch_batch(samples_BS1, indices, seed: int, vocab_size: int, data_cfg) -> dict:
     """Span-corrupt each sample; returns input_ids, decoder_input_ids, labels tensors [B, *]."""
     from data.span_corruption import span_corrupt_batch
-    return span_corrupt_batch(samples_BS1, seeds=[(seed, int(i)) for i in indices],
-                              vocab_size=vocab_size, noise_density=data_cfg.noise_density,
-                              mean_span_length=data_cfg.mean_span_length)
+    out = span_corrupt_batch(samples_BS1.numpy(), seed, row_ids=indices, vocab_size=vocab_size,
+                             noise_density=data_cfg.noise_density,
+                             mean_span_length=data_cfg.mean_span_length)
+    return {k: torch.from_numpy(out[k]) for k in ("input_ids", "decoder_input_ids", "labels")}
+
+
+def sentinels_needed(seq_len: int, data_cfg) -> int:
+    """Sentinel ids one span-corrupted sample of seq_len+1 tokens uses (ids above the text's)."""
+    from data.span_corruption import corrupted_lengths
+    L = seq_len + 1
+    n_in, n_tgt = corrupted_lengths(L, data_cfg.noise_density, data_cfg.mean_span_length)
+    return (n_in + n_tgt - L) // 2
 
 
 def switch_loss(model, batch: dict) -> torch.Tensor:
