@@ -38,18 +38,25 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(step, reps: int, warmup: int) -> float:
-    """Median wall time of `step()` over `reps` runs after `warmup` untimed runs."""
+def interleaved_medians(steps: dict, reps: int, warmup: int) -> dict:
+    """Median wall time per step, timing all steps round-robin (order rotated each round).
+
+    Interleaving means a change in the machine's load (other jobs on the shared cores) hits
+    every contender alike, so ratios measured in one call stay meaningful.
+    """
+    names = list(steps)
     for _ in range(warmup):
-        step()
+        for n in names:
+            steps[n]()
     sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {n: [] for n in names}
+    for r in range(reps):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            steps[n]()
+            sync()
+            times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
 def fwd_bwd_step(module, x, grad_y):
@@ -119,7 +126,8 @@ def fairscale_case(T, D, F_, E, K, act, dtype, dev):
         raise ValueError("fairscale Top2Gate is k=2 and fp32 only")
     if not dist.is_initialized():  # world of one, only so MOELayer has a group
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+        store = dist.HashStore()  # in-process rendezvous: no port, no file
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
     gelu_or_silu = torch.nn.GELU() if act == "gelu" else torch.nn.SiLU()
     experts = torch.nn.ModuleList(
         torch.nn.Sequential(torch.nn.Linear(D, F_, bias=False), gelu_or_silu,
@@ -133,28 +141,41 @@ def fairscale_case(T, D, F_, E, K, act, dtype, dev):
 CASES = {"floor": floor_case, "moekit": ours_case, "hf": hf_case, "fairscale": fairscale_case}
 
 
-def measure(name, T, D, F_, E, K, act, dtype, reps, warmup):
+def build_step(name, T, D, F_, E, K, act, dtype):
     mod, x = CASES[name](T, D, F_, E, K, act, dtype, device())
-    y = mod(x)
-    grad_y = torch.randn_like(y)
-    del y
-    sec = median_seconds(fwd_bwd_step(mod, x, grad_y), reps, warmup)
-    del mod, x, grad_y
-    return sec
+    with torch.no_grad():
+        grad_y = torch.randn_like(mod(x))
+    return fwd_bwd_step(mod, x, grad_y)
 
 
-def run_config(rows, T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
-    """Measure the floor and every contender for one config; append printable rows."""
+def run_config(T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
+    """Floor, moekit and peers for one config, interleaved; prints one line each."""
     dtype = DTYPES[dtype_name]
-    floor = measure("floor", T, D, F_, E, K, act, dtype, reps, warmup)
+    names = ["floor", "moekit"] + peers
+    med = interleaved_medians({n: build_step(n, T, D, F_, E, K, act, dtype) for n in names},
+                              reps, warmup)
     label = f"T={T} E={E} k={K} {act} {dtype_name}"
-    rows.append((label, "floor", floor, 1.0))
-    print(f"{label:36s} {'floor':10s} {floor * 1e3:9.1f} ms   1.00x", flush=True)
-    for name in ["moekit"] + peers:
-        sec = measure(name, T, D, F_, E, K, act, dtype, reps, warmup)
-        rows.append((label, name, sec, sec / floor))
-        print(f"{label:36s} {name:10s} {sec * 1e3:9.1f} ms   {sec / floor:.2f}x", flush=True)
-    return floor
+    for n in names:
+        print(f"{label:34s} {n:10s} {med[n] * 1e3:9.1f} ms  {med[n] / med['floor']:6.2f}x floor",
+              flush=True)
+    return med
+
+
+def run_sweep(T, D, F_, experts, reps, warmup):
+    """Every E of the sweep (moekit and floor) timed in the same rounds, k=2 gelu fp32."""
+    steps = {}
+    for E in experts:
+        for n in ("floor", "moekit"):
+            steps[(n, E)] = build_step(n, T, D, F_, E, 2, "gelu", torch.float32)
+    med = interleaved_medians(steps, reps, warmup)
+    e0 = experts[0]
+    print(f"\nE sweep, T={T} k=2 gelu fp32: time per token relative to E={e0}", flush=True)
+    for E in experts:
+        f, m = med[("floor", E)], med[("moekit", E)]
+        print(f"E={E:4d}  floor {f * 1e3:8.1f} ms ({f / med[('floor', e0)]:.2f}x)   "
+              f"moekit {m * 1e3:8.1f} ms ({m / med[('moekit', e0)]:.2f}x)   "
+              f"moekit/floor {m / f:.2f}x", flush=True)
+    return med
 
 
 def main(argv=None):
@@ -180,27 +201,16 @@ def main(argv=None):
     print(f"torch {torch.__version__}, device {device()}, threads {torch.get_num_threads()}, "
           f"D={D} F={F_}, median of {reps} after {warmup} warm-up", flush=True)
 
-    rows = []
     peers_on = "peers" not in skip
     if "main" not in skip:
         for dtype_name in ("fp32", "bf16"):
             for K in (2, 1):
                 peers = ["fairscale"] if peers_on and K == 2 and dtype_name == "fp32" else []
-                run_config(rows, T, D, F_, 16, K, "gelu", dtype_name, peers, reps, warmup)
+                run_config(T, D, F_, 16, K, "gelu", dtype_name, peers, reps, warmup)
             if peers_on:  # Mixtral is swiglu: compare it against a swiglu floor and layer
-                run_config(rows, T, D, F_, 16, 2, "swiglu", dtype_name, ["hf"], reps, warmup)
+                run_config(T, D, F_, 16, 2, "swiglu", dtype_name, ["hf"], reps, warmup)
     if "sweep" not in skip:
-        print("\nE sweep (k=2, gelu, fp32): cost per token relative to E=8", flush=True)
-        base = {}
-        for E in ((4, 8, 16) if q else (8, 16, 32, 64, 128)):
-            t_floor = measure("floor", T, D, F_, E, 2, "gelu", torch.float32, reps, warmup)
-            t_ours = measure("moekit", T, D, F_, E, 2, "gelu", torch.float32, reps, warmup)
-            base.setdefault("floor", t_floor)
-            base.setdefault("moekit", t_ours)
-            print(f"E={E:4d}  floor {t_floor * 1e3:8.1f} ms ({t_floor / base['floor']:.2f}x)   "
-                  f"moekit {t_ours * 1e3:8.1f} ms ({t_ours / base['moekit']:.2f}x, "
-                  f"{t_ours / t_floor:.2f}x floor)", flush=True)
-    return rows
+        run_sweep(T, D, F_, (4, 8, 16) if q else (8, 16, 32, 64, 128), reps, warmup)
 
 
 if __name__ == "__main__":
