@@ -111,6 +111,8 @@ def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: i
         _fsync_dir(final.parent)
         for _, old in list_complete(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        for stale in final.parent.glob(".tmp-step_*"):  # left by an earlier crash
+            shutil.rmtree(stale, ignore_errors=True)
     barrier(ctx)
     return final
 

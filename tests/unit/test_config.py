@@ -1,0 +1,127 @@
+"""Config system: defaults, TOML, overrides, type checks, helpful errors, round trip, help."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import (ConfigError, Config, help_text, load_config, section_names, to_toml,
+                            validate)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_validate_and_required_names_exist():
+    cfg = load_config()
+    plan = validate(cfg, 1)
+    assert plan.dp == 1
+    for dotted in ("run.dir", "train.steps", "train.seed", "train.batch_size", "model.dropout",
+                   "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
+                   "moe.num_experts", "moe.top_k", "moe.capacity_factor"):
+        section, name = dotted.split(".")
+        assert hasattr(getattr(cfg, section), name), dotted
+
+
+def test_toml_then_overrides_later_wins(tmp_path):
+    p = _write(tmp_path, '[train]\nsteps = 7\nlr = 0.5\n[moe]\ntop_k = 1\n[run]\ndir = "x"\n')
+    cfg = load_config(p, ["train.steps=9", "moe.capacity_factor=1.25", "run.dir=y/z",
+                          "model.dropout=0.1", "parallel.zero=1", "train.resume=true"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.moe.top_k) == (9, 0.5, 1)
+    assert cfg.moe.capacity_factor == 1.25 and cfg.run.dir == "y/z"
+    assert cfg.model.dropout == 0.1 and cfg.parallel.zero == 1 and cfg.train.resume is True
+    assert isinstance(cfg.train.lr, float)
+    # ints given for floats are accepted as floats
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0
+
+
+def test_dropless_spellings():
+    for raw in ("none", "0", '"none"'):
+        cfg = load_config(None, [f"moe.capacity_factor={raw}"])
+        validate(cfg, 1)
+        assert cfg.moe.capacity_factor is None, raw
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["train.steps=11", "moe.capacity_factor=2.0", "run.dir=a b"])
+    again = load_config(_write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.stpes=3", ["train.steps"]),
+    ("trian.steps=3", ["'train'"]),
+    ("moe.num_expert=4", ["moe.num_experts"]),
+    ("train.steps=1.5", ["train.steps", "int"]),
+    ("train.steps=abc", ["train.steps", "int"]),
+    ("train.resume=1", ["train.resume", "bool"]),
+    ("moe.capacity_factor=abc", ["moe.capacity_factor"]),
+    ("log.progress=fancy", ["log.progress", "bar"]),
+    ("steps=3", ["section.field=value"]),
+])
+def test_bad_overrides_name_the_field(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    for w in words:
+        assert w in str(e.value), (override, str(e.value))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[train\nsteps = 3"))
+    with pytest.raises(ConfigError, match="train.steps.*int"):
+        load_config(_write(tmp_path, '[train]\nsteps = "many"'))
+    with pytest.raises(ConfigError, match="section"):
+        load_config(_write(tmp_path, "steps = 3"))
+    with pytest.raises(ConfigError, match="did you mean 'train.batch_size'"):
+        load_config(_write(tmp_path, "[train]\nbatchsize = 3"))
+
+
+@pytest.mark.parametrize("overrides, world, words", [
+    (["parallel.dp=3"], 2, ["parallel.dp"]),
+    (["parallel.ep=3"], 2, ["parallel.ep"]),
+    (["moe.top_k=9"], 1, ["moe.top_k"]),
+    (["model.n_heads=3"], 1, ["model.n_heads"]),
+    (["train.batch_size=3"], 2, ["train.batch_size"]),
+    (["train.micro_batch_size=3"], 1, ["train.micro_batch_size"]),
+    (["data.seq_len=999"], 1, ["data.seq_len", "model.max_seq_len"]),
+    (["train.steps=0"], 1, ["train.steps"]),
+    (["parallel.pp=2", "train.micro_batch_size=4", "parallel.microbatches=2"], 2,
+     ["train.micro_batch_size", "parallel.microbatches"]),
+])
+def test_impossible_layouts_and_values(overrides, world, words):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world)
+    for w in words:
+        assert w in str(e.value), (overrides, str(e.value))
+
+
+def test_help_lists_every_section_and_field():
+    text = help_text()
+    cfg = Config()
+    for section in section_names():
+        assert f"[{section}]" in text
+        for name in vars(getattr(cfg, section)):
+            assert f"{section}.{name} (" in text
+    assert "GLOBAL batch" in text  # docstrings are shown
+
+
+def test_cli_errors_are_short_and_nothing_runs(tmp_path):
+    """train.py prints one error line (no traceback), exits 2, creates no run dir."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "train.py", f"run.dir={run_dir}", "train.stepz=3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "did you mean 'train.steps'" in out.stderr and "Traceback" not in out.stderr
+    assert not run_dir.exists()
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "train.batch_size" in out.stdout
