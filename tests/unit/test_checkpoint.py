@@ -71,7 +71,7 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
 
     def crash(*a, **k):
         raise RuntimeError("simulated crash while writing")
-    monkeypatch.setattr(checkpoint.torch, "save", crash)  # dies after DCP files are written
+    monkeypatch.setattr(checkpoint, "_rng_state", crash)  # dies after the DCP files are written
     with pytest.raises(RuntimeError, match="simulated"):
         checkpoint.save(CTX, cfg.run.dir, 2, model, opt, _state(2, cfg), keep=1)
     monkeypatch.undo()
