@@ -117,7 +117,8 @@ def _wait(procs, tmp: str, timeout: float) -> None:
                 _stop(procs)
                 raise DistributedTestError(
                     f"rank {r} of {world_size} died with exit code {p.exitcode} "
-                    "without a Python traceback (segfault, OOM or abort?)")
+                    "before reporting a Python error (import failure at spawn, segfault, "
+                    "OOM, abort?); see its stderr above")
         else:
             if all(p.exitcode is not None for p in procs):
                 return

@@ -98,7 +98,8 @@ def _layer_case(rank, P, groups, E, k, cf, act, force, bias, rows):
     rows.append((name, "payload bytes - 2*kept rows", abs(int(payload) - 2 * kept * D * 4), 0))
     if cf is None:
         rows.append((name, "dropless kept == T*K", abs(kept - P * B * S * k), 0))
-    if force is not None and len({f // L for f in force}) < P:  # the case must really leave some rank with no rows to process
+    if force is not None and len(force) >= k and len({f // L for f in force}) < P:
+        # all k choices forced onto fewer than P ranks: some rank must really get no rows
         per_rank = stats.kept_E.view(P, L).sum(1)
         rows.append((name, "some rank receives no rows", float(bool((per_rank > 0).all())), 0))
 
@@ -147,7 +148,7 @@ def _train_case(rank, P, groups, dp, ep, E, k, cf, rows):
         loss = nn.functional.mse_loss(m(x), t) + m.moe.aux_loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
-        return float(loss), float(norm)
+        return float(loss.detach()), float(norm)
 
     def ep_step(m, step):
         x, t = _batch(step, dp * B, dev)
@@ -167,10 +168,10 @@ def _train_case(rank, P, groups, dp, ep, E, k, cf, rows):
         rows.append((name, f"step {step} grad norm rel err", abs(n_ep - n_ref) / n_ref, 1e-5))
         rows.append((name, f"step {step} clipped", float(n_ref <= max_norm), 0))
     L, r = E // ep, dist.get_rank(groups.ep_group)
-    w_err = (model.moe.experts.w1 - ref.moe.experts.w1[r * L:(r + 1) * L]).abs().max()
+    w_err = (model.moe.experts.w1 - ref.moe.experts.w1[r * L:(r + 1) * L]).detach().abs().max()
     rows.append((name, "final expert w1 max abs err", float(w_err), 1e-4))
     rows.append((name, "final router max abs err",
-                 float((model.moe.router.weight - ref.moe.router.weight).abs().max()), 1e-4))
+                 float((model.moe.router.weight - ref.moe.router.weight).detach().abs().max()), 1e-4))
 
 
 # ----------------------------------------------------------------------------- bad input
