@@ -212,11 +212,20 @@ def apply_fsdp(model, meshes, blocks, mp_policy=None) -> None:
     for mod in model.modules():
         if isinstance(mod, MoELayer):
             fully_shard(mod.experts, mesh=edp, mp_policy=mp_policy)
-            mod.experts.set_gradient_divide_factor(float(plan.dp))
+            _divide_by(mod.experts, edp, plan.dp)
             rest = [m for m in (mod.router, mod.shared_experts) if m is not None]
             for m in rest:
                 fully_shard(m, mesh=pool, mp_policy=mp_policy)
-                m.set_gradient_divide_factor(float(plan.dp))
+                _divide_by(m, pool, plan.dp)
     for block in blocks:
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
     fully_shard(model, mesh=dp, mp_policy=mp_policy)
+
+
+def _divide_by(fsdp_module, mesh, dp: int) -> None:
+    # reduce-scatter sums, then divides by dp (not by the mesh size). Sum-only collectives
+    # because gloo has no PREMUL_SUM; but not on a 1-rank mesh, where FSDP2 then skips the
+    # division along with the (absent) collective.
+    fsdp_module.set_gradient_divide_factor(float(dp))
+    if mesh.size() > 1:
+        fsdp_module.set_force_sum_reduction_for_comms(True)

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .data import _local
 
@@ -18,7 +18,7 @@ from .data import _local
 def _dtensor_pieces(t) -> int:
     if not isinstance(t, DTensor):
         return 1
-    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard))
+    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if isinstance(pl, (Shard, _StridedShard)))
 
 
 def _grad_items(model, state):

@@ -69,7 +69,14 @@ W2 = [("dp2", dict(dp=2)),
       ("ep2_dp2", dict(dp=2, ep=2)),
       ("ep2_zero1_dp2", dict(dp=2, ep=2, zero=1)),
       ("ep2_zero2_dp2", dict(dp=2, ep=2, zero=2)),
-      ("ep2_zero3_dp2", dict(dp=2, ep=2, zero=3))]
+      ("ep2_zero3_dp2", dict(dp=2, ep=2, zero=3)),
+      ("tp2", dict(tp=2)),
+      ("ep2_tp2", dict(tp=2, ep=2))]          # experts spread over the tp pair (ep | dp*tp)
+
+W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2)),
+      ("ep2_tp2_zero3_dp2", dict(tp=2, ep=2, zero=3)),
+      ("ep4_tp2_zero2_dp2", dict(tp=2, ep=4, zero=2)),
+      ("tp2_zero1_dp2", dict(tp=2, zero=1))]
 
 
 def test_world2_data_zero_expert():
@@ -77,3 +84,10 @@ def test_world2_data_zero_expert():
     ref = dc.reference_run(model_cfg, moe_cfg)
     results = run_distributed(_worker, 2, W2, model_cfg, moe_cfg, timeout=240)
     _check(results, ref, [n for n, _ in W2])
+
+
+def test_world4_tensor_with_data_zero_expert():
+    model_cfg, moe_cfg = dc.configs()
+    ref = dc.reference_run(model_cfg, moe_cfg)
+    results = run_distributed(_worker, 4, W4, model_cfg, moe_cfg, timeout=300)
+    _check(results, ref, [n for n, _ in W4])

@@ -1,0 +1,178 @@
+"""Megatron-style 1-D tensor parallelism for the GPT of models/, with sequence parallelism.
+
+Shapes: B batch, S sequence, D model dim, F ffn dim, V vocab, s = S/tp, b = B/tp.
+Between blocks the residual stream is sequence-sharded: each tp rank holds x [B, s, D].
+  embeddings  tok_emb vocab-parallel (rows split, all-reduced); positions added on the full
+              sequence, then split along S before the embedding dropout (dropout sees only
+              this rank's part, as in sequence parallelism)
+  norms       SequenceParallel: run on [B, s, D], weights replicated
+  attention   q/k/v column-parallel (heads split), o row-parallel, reduce-scattered to [B, s, D]
+  dense FFN   w1 (and w3) split along F, w2 along F: all-gather S, matmuls, reduce-scatter S
+  MoE FFN     whole sequences split across tp ranks ([B, s, D] -> [b, S, D] by all-to-all):
+              every token is routed and computed once, routing groups (sequences) stay whole;
+              router and experts stay plain tensors, reduced over the "pool" (see data.py);
+              the layer's aux_loss becomes the tp-mean so the total matches one process.
+  output      lm_head column-parallel over V (tied to tok_emb when the model ties them), the
+              logits all-gathered so any loss function works.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from moe import DenseFFN, MoELayer
+
+
+class _SeqToBatch(torch.autograd.Function):
+    """[B, s, D] (sequence shard) -> [b, S, D] (batch shard) by one all-to-all; backward inverts."""
+
+    @staticmethod
+    def forward(ctx, x_BsD, group):
+        ctx.group = group
+        return _seq_to_batch(x_BsD, group)
+
+    @staticmethod
+    def backward(ctx, g_bSD):
+        return _batch_to_seq(g_bSD, ctx.group), None
+
+
+class _BatchToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_bSD, group):
+        ctx.group = group
+        return _batch_to_seq(x_bSD, group)
+
+    @staticmethod
+    def backward(ctx, g_BsD):
+        return _seq_to_batch(g_BsD, ctx.group), None
+
+
+def _seq_to_batch(x_BsD, group):
+    P = dist.get_world_size(group)
+    B, s, D = x_BsD.shape
+    send = x_BsD.reshape(P, B // P, s, D).contiguous()      # chunk j goes to rank j
+    recv = torch.empty_like(send)                            # chunk i: my sequences, S-part i
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3).reshape(B // P, P * s, D)
+
+
+def _batch_to_seq(x_bSD, group):
+    P = dist.get_world_size(group)
+    b, S, D = x_bSD.shape
+    send = x_bSD.reshape(b, P, S // P, D).permute(1, 0, 2, 3).contiguous()  # S-part j -> rank j
+    recv = torch.empty_like(send)                                            # batch part i
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.reshape(P * b, S // P, D)
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Replicated [B, S, D] -> this rank's [B, s, D]; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x_BSD, group):
+        ctx.group = group
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        return x_BSD.chunk(P, dim=1)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, g_BsD):
+        parts = [torch.empty_like(g_BsD) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, g_BsD.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=1), None
+
+
+def _tp_mean(x, group):
+    """Value: mean over the group; gradient: 1/P to the local term (the loss is replicated)."""
+    P = dist.get_world_size(group)
+    total = x.detach().clone()
+    dist.all_reduce(total, group=group)
+    return x / P + (total - x.detach()) / P
+
+
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _moe_hooks(layer: MoELayer, group) -> None:
+    def pre(_mod, args):
+        return (_SeqToBatch.apply(_local(args[0]), group),) + tuple(args[1:])
+
+    def post(mod, _args, out):
+        mod.aux_loss = _tp_mean(mod.aux_loss, group)
+        return _BatchToSeq.apply(out, group)
+
+    layer.register_forward_pre_hook(pre)
+    layer.register_forward_hook(post)
+
+
+def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
+    """w1/w3 [1, D, F] split on F, w2 [1, F, D] on F; biases b1/b3 split, b2 replicated."""
+    bank = ffn.bank
+    if bank.b2 is not None:
+        raise NotImplementedError("tensor parallelism of a dense FFN with biases (model.bias=true) "
+                                  "is not implemented; set model.bias=false or parallel.tp=1")
+    dims = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
+    for name, dim in dims.items():
+        p = getattr(bank, name)
+        if p is not None:
+            setattr(bank, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(dim)])))
+
+    def pre(_mod, args):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)])
+        return (x.redistribute(mesh, [Replicate()]),) + tuple(args[1:])
+
+    def post(_mod, _args, out):
+        return out.redistribute(mesh, [Shard(1)]).to_local()
+
+    ffn.register_forward_pre_hook(pre)
+    ffn.register_forward_hook(post)
+
+
+def _split_after_embedding(model, group) -> None:
+    def pre(_mod, args):
+        return (_SplitSeq.apply(_local(args[0]), group),) + tuple(args[1:])
+    model.drop.register_forward_pre_hook(pre)
+
+
+def apply_tensor_parallel(model: nn.Module, meshes) -> None:
+    """Shard the GPT (or the pipeline stage of it) over meshes' tp dim, in place."""
+    mesh, group = meshes.dense["tp"], meshes.group("tp")
+    tied = model.lm_head is not None and model.tok_emb is not None and \
+        model.lm_head.weight is model.tok_emb.weight
+    if model.tok_emb is not None:
+        parallelize_module(model.tok_emb, mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                output_layouts=Replicate()))
+        _split_after_embedding(model, group)
+    for block in model.blocks:
+        _shard_block(block, mesh, group)
+    if model.norm is not None:
+        parallelize_module(model.norm, mesh, SequenceParallel())
+    if model.lm_head is not None:
+        parallelize_module(model.lm_head, mesh, ColwiseParallel(input_layouts=Shard(1),
+                                                                output_layouts=Replicate()))
+    if tied:  # both split the vocab dim (Shard(0)): one parameter again
+        model.lm_head.weight = model.tok_emb.weight
+
+
+def _shard_block(block, mesh, group) -> None:
+    parallelize_module(block, mesh, {
+        "attn_norm": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    })
+    if isinstance(block.ffn, MoELayer):
+        _moe_hooks(block.ffn, group)
+    elif isinstance(block.ffn, DenseFFN):
+        _shard_dense_ffn(block.ffn, mesh)
+    else:
+        raise TypeError(f"tensor parallelism does not know FFN type {type(block.ffn).__name__}")
+
+
+__all__ = ["apply_tensor_parallel", "Partial"]
