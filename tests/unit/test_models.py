@@ -45,6 +45,12 @@ def test_shapes_gpt_and_switch():
     assert sw(ids, ids[:, :6], mask).isfinite().all()
     with pytest.raises(ValueError, match="max_seq_len"):
         gpt(torch.zeros(1, 33, dtype=torch.long))
+    # MoE variants the configs expose: all run and give finite logits and aux losses
+    for moe_kw in (dict(router="expert_choice", capacity_factor=1.0), dict(num_shared_experts=1),
+                   dict(capacity_factor=1.0, jitter=0.01, d_ff=6)):
+        m = make(tiny(activation="swiglu"), tiny_moe(**moe_kw))
+        assert m(ids).isfinite().all(), moe_kw
+        assert all(layer.aux_loss.isfinite() for _, layer in moe_layers(m))
 
 
 def test_every_k_placement():
@@ -165,14 +171,14 @@ def test_param_counts_hand_computed():
 
 def test_switch_trains_on_span_corruption():
     torch.manual_seed(0)
-    cfg = tiny("switch", vocab_size=64, d_model=32, d_ff=64, n_heads=4)
+    cfg = tiny("switch", vocab_size=64, d_model=16, d_ff=32)
     model = make(cfg, tiny_moe(capacity_factor=1.5), seed=0).train()
     rows = np.random.default_rng(0).integers(2, 50, size=(4, 24))
     batch = {k: torch.from_numpy(v) for k, v in
              span_corrupt_batch(rows, 0, vocab_size=64, eos_id=1).items()}
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
     losses = []
-    for _ in range(15):
+    for _ in range(16):
         logits = model(batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"])
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
         aux = sum(layer.aux_loss for _, layer in moe_layers(model))
@@ -213,3 +219,21 @@ def test_config_errors_and_capacity_spellings():
     assert (layer.capacity_factor, layer.eval_capacity_factor) == (1.0, 2.0)
     assert all(h for h in models.field_help(MoEConfig).values())
     assert all(h for h in models.field_help(ModelConfig).values())
+
+
+def test_relative_position_buckets():
+    from models.switch import relative_position_bucket
+    rel = torch.tensor([0, -1, 1, -7, -8, -200, 200, 5])  # key - query
+    # hand-computed (32 buckets, max distance 128): bidirectional halves them (16 + 16);
+    # distances < 8 are exact, 8 starts the log range (8 + log(8/8)... = 8), far -> last (15)
+    assert relative_position_bucket(rel, True, 32, 128).tolist() == [0, 1, 17, 7, 8, 15, 31, 21]
+    # causal: every future key shares bucket 0; 32 buckets, exact below 16
+    assert relative_position_bucket(rel, False, 32, 128).tolist() == [0, 1, 0, 7, 8, 31, 0, 0]
+    # reference: the Hugging Face T5 implementation of the same bucketing
+    from transformers.models.t5.modeling_t5 import T5Attention
+    grid = torch.arange(-300, 300)[None, :]
+    for bidirectional in (True, False):
+        for nb, md in ((32, 128), (8, 20)):
+            want = T5Attention._relative_position_bucket(grid, bidirectional=bidirectional,
+                                                         num_buckets=nb, max_distance=md)
+            assert torch.equal(relative_position_bucket(grid, bidirectional, nb, md), want)
