@@ -1,0 +1,98 @@
+"""ParallelPlan.validate: pure arithmetic for many world sizes, no communication."""
+import itertools
+
+import pytest
+
+from models.config import ModelConfig, MoEConfig
+from parallel.plan import ParallelPlan
+
+MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=8, n_heads=8, d_ff=128)
+MOE = MoEConfig(num_experts=8, top_k=2, every=2)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16, 64])
+def test_every_consistent_layout_validates_and_resolves_dp(world):
+    ok = 0
+    for tp, pp in itertools.product(_divisors(world), repeat=2):
+        if world % (tp * pp):
+            with pytest.raises(ValueError, match=r"parallel\.tp\*pp"):
+                ParallelPlan(tp=tp, pp=pp).validate(world)
+            continue
+        dp = world // (tp * pp)
+        for ep in _divisors(dp * tp):
+            plan = ParallelPlan(tp=tp, pp=pp, ep=ep).validate(world)
+            assert (plan.dp, plan.dp * plan.tp * plan.pp, plan.edp * plan.ep) == (dp, world, dp * tp)
+            ok += 1
+    assert ok >= 1
+
+
+def test_validate_returns_copy_and_keeps_explicit_dp():
+    plan = ParallelPlan(dp=-1, tp=2)
+    resolved = plan.validate(8)
+    assert plan.dp == -1 and resolved.dp == 4
+    assert ParallelPlan(dp=2, tp=2, pp=2).validate(8).dp == 2
+
+
+@pytest.mark.parametrize("kwargs, world, pattern", [
+    (dict(dp=3), 4, r"parallel\.dp\*tp\*pp = 3\*1\*1 = 3 but the world size is 4"),
+    (dict(tp=0), 4, r"parallel\.tp=0 must be an integer >= 1"),
+    (dict(dp=0), 4, r"parallel\.dp=0 must be -1"),
+    (dict(zero=4), 4, r"parallel\.zero=4 must be 0, 1, 2 or 3"),
+    (dict(pp_schedule="zb"), 4, r"parallel\.pp_schedule='zb' is not supported"),
+    (dict(precision="fp8"), 4, r"parallel\.precision='fp8'"),
+    (dict(recompute="some"), 4, r"parallel\.recompute='some'"),
+    (dict(compile="yes"), 4, r"parallel\.compile='yes' must be true or false"),
+    (dict(ep=3), 4, r"parallel\.ep=3 must divide dp\*tp"),
+    (dict(tp=4, pp=1, ep=8), 4, r"parallel\.ep=8 must divide dp\*tp = 1\*4 = 4"),
+    (dict(pp_stages_per_rank=2, pp=2), 4, r"needs parallel\.pp_schedule=interleaved_1f1b"),
+    (dict(pp_stages_per_rank=2), 4, r"needs parallel\.pp > 1"),
+])
+def test_bad_plans_name_the_field(kwargs, world, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world)
+
+
+@pytest.mark.parametrize("kwargs, world, model_kw, moe_kw, pattern", [
+    (dict(tp=3), 3, dict(), dict(), r"model\.n_heads=8 is not divisible by parallel\.tp=3"),
+    (dict(tp=2), 2, dict(vocab_size=255), dict(), r"model\.vocab_size=255 .* parallel\.tp=2"),
+    (dict(tp=4), 4, dict(d_ff=130), dict(), r"model\.d_ff=130"),
+    (dict(pp=3), 3, dict(), dict(), r"model\.n_layers=8 .* 3 pipeline stages"),
+    (dict(pp=2, pp_schedule="interleaved_1f1b"), 2, dict(n_layers=6), dict(),
+     r"model\.n_layers=6 .* 4 pipeline stages"),
+    (dict(ep=4), 4, dict(), dict(num_experts=6), r"moe\.num_experts=6 .* parallel\.ep=4"),
+    (dict(ep=2), 2, dict(), dict(every=0), r"parallel\.ep=2 needs MoE layers"),
+    (dict(tp=2), 2, dict(arch="switch"), dict(), r"model\.arch='gpt' only"),
+])
+def test_model_divisibility_errors(kwargs, world, model_kw, moe_kw, pattern):
+    model = ModelConfig(**{**MODEL.__dict__, **model_kw})
+    moe = MoEConfig(**{"num_experts": 8, "top_k": 2, "every": 2, **moe_kw})
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world, model, moe)
+
+
+def test_model_checks_pass_for_a_full_layout():
+    plan = ParallelPlan(dp=2, tp=2, pp=2, ep=4, zero=1, microbatches=2).validate(8, MODEL, MOE, 8)
+    assert (plan.dp, plan.edp, plan.num_stages) == (2, 1, 2)
+    inter = ParallelPlan(pp=2, pp_schedule="interleaved_1f1b", microbatches=2).validate(4, MODEL, MOE, 8)
+    assert (inter.stages_per_rank, inter.num_stages) == (2, 4)
+
+
+@pytest.mark.parametrize("kwargs, world, batch, pattern", [
+    (dict(), 4, 6, r"train\.batch_size=6 .* parallel\.dp=4"),
+    (dict(pp=2, microbatches=3), 4, 8, r"not divisible by parallel\.microbatches=3"),
+    (dict(pp=2, microbatches=1), 2, 8, r"parallel\.microbatches=1 is less than parallel\.pp=2"),
+    (dict(tp=2), 4, 2, r"microbatch size 1 sequences is not divisible by parallel\.tp=2"),
+])
+def test_batch_errors(kwargs, world, batch, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world, MODEL, MOE, batch)
+
+
+def test_gpipe_accepts_fewer_microbatches_and_dense_tp_needs_no_batch_split():
+    ParallelPlan(pp=2, pp_schedule="gpipe", microbatches=1).validate(2, MODEL, MOE, 4)
+    dense = MoEConfig(num_experts=8, top_k=2, every=0)
+    ParallelPlan(tp=2).validate(2, MODEL, dense, 1)
