@@ -4,6 +4,8 @@ Layout of run.dir/checkpoints/step_00000100/:
   DCP files       model and optimizer state (sharded tensors are resharded on load)
   trainer.json    step, scheduler, sampler position, resolved config, world size
   rng_rank<r>.pt  each rank's RNG states (restored only when the world size is unchanged)
+  optim_rank<r>.pt  only for optimizers over private flat slices (ZeRO-1/2): that state is
+                  not keyed by parameter, so it resumes only under the same layout
   COMPLETE        written last, before the rename
 
 A save goes to checkpoints/.tmp-step_.../ and is renamed into place only when every rank
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from .distributed import barrier
 
@@ -71,7 +74,9 @@ def structural_diff(saved_cfg: dict, cfg: dict) -> list:
     return diffs
 
 
-def _model_optim_state(model, optimizer, transform):
+def _model_optim_state(model, optimizer, transform, per_rank_optim: bool):
+    if per_rank_optim:
+        return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if transform is not None:
         model_sd, optim_sd = transform(model_sd, optim_sd)
@@ -86,7 +91,7 @@ def _rng_state() -> dict:
 
 
 def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: int,
-         transform=None) -> Path:
+         transform=None, per_rank_optim: bool = False) -> Path:
     """Collective: every rank calls it. `transform(model_sd, optim_sd)` may wrap local
     shards (e.g. expert-parallel slices) as DTensors so DCP can reshard them later."""
     final = step_dir(run_dir, step)
@@ -98,7 +103,10 @@ def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: i
         tmp.mkdir(parents=True)
     barrier(ctx)
     with _quiet_single_process(ctx):
-        dcp.save(_model_optim_state(model, optimizer, transform), checkpoint_id=str(tmp))
+        dcp.save(_model_optim_state(model, optimizer, transform, per_rank_optim),
+                 checkpoint_id=str(tmp))
+    if per_rank_optim:
+        torch.save(optimizer.state_dict(), tmp / f"optim_rank{ctx.rank}.pt")
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     if ctx.is_main:
         state = dict(trainer_state, step=step, world_size=ctx.world_size)
@@ -139,20 +147,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def load(ctx, path, model, optimizer, transform=None, untransform=None) -> dict:
+def load(ctx, path, model, optimizer, transform=None, untransform=None,
+         per_rank_optim: bool = False) -> dict:
     """Collective: load model/optimizer in place (resharding as needed); returns trainer.json.
 
     `transform` must be the one used at save time; `untransform(model_sd, optim_sd)` copies
     loaded values back into the local tensors if `transform` made copies.
     """
     path = Path(path)
-    state = _model_optim_state(model, optimizer, transform)
+    state = _model_optim_state(model, optimizer, transform, per_rank_optim)
     with _quiet_single_process(ctx):
         dcp.load(state, checkpoint_id=str(path))
-    model_sd, optim_sd = state["model"], state["optim"]
-    if untransform is not None:
-        model_sd, optim_sd = untransform(model_sd, optim_sd)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if per_rank_optim:
+        set_model_state_dict(model, state["model"])
+        optimizer.load_state_dict(torch.load(path / f"optim_rank{ctx.rank}.pt", weights_only=False))
+    else:
+        model_sd, optim_sd = state["model"], state["optim"]
+        if untransform is not None:
+            model_sd, optim_sd = untransform(model_sd, optim_sd)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     info = read_trainer_state(path)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     if info.get("world_size") == ctx.world_size and rng_file.is_file():

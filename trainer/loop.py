@@ -104,8 +104,10 @@ def _run(cfg, ctx) -> int:
     start = 0
     if resume_from is not None:
         try:
-            info = checkpoint.load(ctx, resume_from, model, optimizer)
+            info = checkpoint.load(ctx, resume_from, model, optimizer,
+                                   per_rank_optim=plan.zero in (1, 2))
             sampler.load_state_dict(info["sampler"])
+            layout.after_load(model)
         except (RuntimeError, ValueError) as e:
             raise ConfigError(f"cannot resume from {resume_from}: {e}") from None
         sched.load_state_dict(info["scheduler"])
@@ -243,8 +245,11 @@ class _State:
         return {k: merge_stats(v) for k, v in merged.items()}
 
     def save(self, n: int) -> None:
+        plan = self.layout.plan
+        per_rank = plan.zero in (1, 2)
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
-                 "config": to_dict(self.cfg)}
+                 "config": to_dict(self.cfg), "per_rank_optim": per_rank,
+                 "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "zero")}}
         path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.model, self.optimizer, state,
-                               self.cfg.checkpoint.keep)
+                               self.cfg.checkpoint.keep, per_rank_optim=per_rank)
         self.log.info(f"saved checkpoint {path}")

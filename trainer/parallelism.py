@@ -25,6 +25,23 @@ class Layout:
         from parallel.apply import prepare_optimizer
         return prepare_optimizer(model, optimizer)
 
+    def after_load(self, model) -> None:
+        """Re-copy loaded weights into ZeRO-1/2 master slices (they are copies made when the
+        optimizer was sharded, so loading the model alone would leave them stale)."""
+        state = getattr(model, "moekit_parallel", None)
+        zero = getattr(state, "zero_state", None)
+        if zero is None:
+            return
+        refresh = getattr(zero, "refresh_from_params", None)
+        if refresh is not None:
+            refresh()
+            return
+        with torch.no_grad():  # parallel/data.py internals, until it offers refresh_from_params
+            for sl in zero.slices:
+                for p, shard, L in zip(sl.params, sl.shards, sl.L):
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    shard.copy_(sl._full_rows(local.detach(), L)[sl.r])
+
     # ----------------------------------------------------------- gradients
     def set_grad_sync(self, model, enabled: bool) -> None:
         """Under accumulation, reduce only in the last micro-batch's backward."""
