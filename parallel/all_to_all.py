@@ -7,7 +7,7 @@ split lists). A `CommCounter` is passed in by the caller (one per layer, say), s
 needs no global state.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,9 @@ class CommCounter:
     """Bytes moved by the all-to-alls of one owner (e.g. one MoE layer).
 
     `payload_bytes` counts every row given to all_to_all_single in forward, including the
-    rows a rank keeps for itself, so in dropless mode it equals the routed-token bytes
-    (dispatch) plus the same again (combine). `remote_bytes` is the part that leaves the rank.
+    rows a rank keeps for itself; summed over the ranks of a group it equals the kept
+    routed-token bytes (dispatch) plus the same again (combine), which in dropless mode is
+    2 * T * K * D * bytes per element. `remote_bytes` is the part that leaves the rank.
     `backward_bytes` is the reverse exchange during backward; `count_bytes` the split-size
     exchange that precedes each token exchange.
     """
@@ -30,21 +31,16 @@ class CommCounter:
     remote_bytes: int = 0
     backward_bytes: int = 0
     count_bytes: int = 0
-    per_call: list = field(default_factory=list)  # payload bytes of each forward call
-    keep_per_call: bool = False
 
     def reset(self) -> None:
         self.calls = self.payload_bytes = self.remote_bytes = 0
         self.backward_bytes = self.count_bytes = 0
-        self.per_call.clear()
 
     def _forward(self, send_splits, row_bytes: int, rank: int) -> None:
         total = sum(send_splits) * row_bytes
         self.calls += 1
         self.payload_bytes += total
         self.remote_bytes += total - send_splits[rank] * row_bytes
-        if self.keep_per_call:
-            self.per_call.append(total)
 
 
 def _row_bytes(x: torch.Tensor) -> int:
