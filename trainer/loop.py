@@ -104,7 +104,8 @@ def _run(cfg, ctx) -> int:
     start = 0
     if resume_from is not None:
         try:
-            info = checkpoint.load(ctx, resume_from, model, optimizer,
+            transform, untransform = layout.checkpoint_transforms(model)
+            info = checkpoint.load(ctx, resume_from, model, optimizer, transform, untransform,
                                    per_rank_optim=plan.zero in (1, 2))
             sampler.load_state_dict(info["sampler"])
             layout.after_load(model)
@@ -250,6 +251,7 @@ class _State:
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
                  "config": to_dict(self.cfg), "per_rank_optim": per_rank,
                  "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "zero")}}
+        transform, _ = self.layout.checkpoint_transforms(self.model)
         path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.model, self.optimizer, state,
-                               self.cfg.checkpoint.keep, per_rank_optim=per_rank)
+                               self.cfg.checkpoint.keep, transform, per_rank_optim=per_rank)
         self.log.info(f"saved checkpoint {path}")

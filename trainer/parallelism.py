@@ -7,6 +7,8 @@ P ranks. Only this object knows about groups; the loop calls its methods.
 import torch
 import torch.distributed as dist
 
+from moe.aux import moe_layers as _moe_layers
+
 
 class Layout:
     """dp_rank/dp_size: this rank's share of the global batch. Gradient reduction is done by
@@ -41,6 +43,45 @@ class Layout:
                 for p, shard, L in zip(sl.params, sl.shards, sl.L):
                     local = p.to_local() if hasattr(p, "to_local") else p
                     shard.copy_(sl._full_rows(local.detach(), L)[sl.r])
+
+    def checkpoint_transforms(self, model):
+        """(transform, untransform) for checkpoint.save/load, or (None, None).
+
+        Under expert parallelism each rank holds experts [r*E/P, (r+1)*E/P) of every MoE layer
+        as a plain local tensor under the same name. Wrapped as DTensors over the (edp, ep)
+        mesh (Shard(0) over ep, replicated over edp), DCP records the full [E, ...] tensors
+        and reshards them for any other layout; untransform unwraps them again.
+        """
+        if self.meshes is None or self.plan.ep == 1:
+            return None, None
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        mesh = self.meshes.expert["edp", "ep"]
+        ep = self.plan.ep
+        names = {f"{lname}.experts.{pname}" for lname, layer in _moe_layers(model)
+                 for pname, _ in layer.experts.named_parameters()}
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() == 0:
+                return t
+            shape = (t.shape[0] * ep, *t.shape[1:])
+            return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False,
+                                      shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+        def unwrap(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        def transform(model_sd, optim_sd):
+            model_sd = {k: wrap(v) if k in names else v for k, v in model_sd.items()}
+            state = {k: ({n: wrap(v) for n, v in st.items()} if k in names else st)
+                     for k, st in optim_sd["state"].items()}
+            return model_sd, {**optim_sd, "state": state}
+
+        def untransform(model_sd, optim_sd):
+            model_sd = {k: unwrap(v) for k, v in model_sd.items()}
+            state = {k: {n: unwrap(v) for n, v in st.items()} for k, st in optim_sd["state"].items()}
+            return model_sd, {**optim_sd, "state": state}
+
+        return transform, untransform
 
     # ----------------------------------------------------------- gradients
     def set_grad_sync(self, model, enabled: bool) -> None:
