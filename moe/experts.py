@@ -1,6 +1,7 @@
 """A bank of expert FFNs run as grouped matmuls over contiguous per-expert row slices.
 
-Shapes: N dispatched rows (sorted by expert), D model dim, F ffn dim, E local experts.
+Shapes: N dispatched rows (sorted by expert), n rows of one expert, D model dim, F ffn dim,
+E local experts.
 """
 import torch
 import torch.nn as nn
@@ -18,9 +19,116 @@ ACTIVATIONS = {
 }
 
 
+# aten backward kernels of the base activations, so the fused backward needs no autograd
+# re-trace; an activation missing here falls back to autograd on a recomputed activation.
+_ACT_BACKWARD = {
+    F.gelu: lambda g, h: torch.ops.aten.gelu_backward(g, h),
+    F.silu: lambda g, h: torch.ops.aten.silu_backward(g, h),
+    F.relu: lambda g, h: torch.ops.aten.threshold_backward(g, h, 0),
+}
+
+
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not supported; use one of {sorted(ACTIVATIONS)}")
+
+
+def _act_backward(act_fn, grad_nF, h_nF):
+    kernel = _ACT_BACKWARD.get(act_fn)
+    if kernel is not None:
+        return kernel(grad_nF, h_nF)
+    with torch.enable_grad():
+        h = h_nF.detach().requires_grad_(True)
+        return torch.autograd.grad(act_fn(h), h, grad_nF)[0]
+
+
+def _affine(x_nD, w_DF, b_F, out=None):
+    if b_F is None:
+        return torch.mm(x_nD, w_DF) if out is None else torch.mm(x_nD, w_DF, out=out)
+    return torch.addmm(b_F, x_nD, w_DF) if out is None else torch.addmm(b_F, x_nD, w_DF, out=out)
+
+
+def _row(p, e):
+    return None if p is None else p[e]
+
+
+class _GroupedFFN(torch.autograd.Function):
+    """All experts' FFNs in one autograd node; outputs and gradients written in place.
+
+    Why not plain ops: autograd would cat the expert outputs and, worse, stack per-expert
+    weight gradients into a fresh [E, D, F] tensor (a full extra copy of every weight
+    gradient per step, growing with E). Here each expert's output matmul writes straight
+    into its rows of y (out=), each weight-gradient matmul into its expert's slice, and the
+    backward uses the aten activation kernels. Saved per expert, like autograd would: the
+    pre-activations h1 (and h3) and the w2 input a.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, counts, act_fn, gated, w1, w2, w3, b1, b2, b3):
+        y_ND = x_ND.new_empty(x_ND.shape[0], w2.shape[-1])
+        saved, lo = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            x = x_ND[lo:lo + n]
+            h1 = _affine(x, w1[e], _row(b1, e))
+            h3 = _affine(x, w3[e], _row(b3, e)) if gated else None
+            a = act_fn(h1) * h3 if gated else act_fn(h1)
+            _affine(a, w2[e], _row(b2, e), out=y_ND[lo:lo + n])
+            saved += [h1, h3, a]
+            lo += n
+        ctx.counts, ctx.act_fn, ctx.gated = counts, act_fn, gated
+        ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
+        ctx.save_for_backward(x_ND, w1, w2, w3, *saved)
+        return y_ND
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy_ND):
+        x_ND, w1, w2, w3, *saved = ctx.saved_tensors
+        dy_ND = dy_ND.contiguous()
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        dx_ND = torch.empty_like(x_ND) if need_x else None
+        dw = [None if w is None or not need_w else torch.empty_like(w) for w in (w1, w2, w3)]
+        db = [x_ND.new_empty(len(ctx.counts), w.shape[-1]) if has and need_w else None
+              for has, w in zip(ctx.has_bias, (w1, w2, w3))]
+        lo, i = 0, 0
+        for e, n in enumerate(ctx.counts):
+            if n == 0:  # an idle expert's gradient is exactly zero
+                for g in dw + db:
+                    if g is not None:
+                        g[e].zero_()
+                continue
+            h1, h3, a = saved[i:i + 3]
+            i += 3
+            x, dy = x_ND[lo:lo + n], dy_ND[lo:lo + n]
+            da = dy @ w2[e].t()
+            dh3 = da * ctx.act_fn(h1) if ctx.gated else None
+            dh1 = _act_backward(ctx.act_fn, da * h3 if ctx.gated else da, h1)
+            if need_w:
+                torch.mm(a.t(), dy, out=dw[1][e])
+                torch.mm(x.t(), dh1, out=dw[0][e])
+                if ctx.gated:
+                    torch.mm(x.t(), dh3, out=dw[2][e])
+                for g, src in zip(db, (dh1, dy, dh3)):
+                    if g is not None:
+                        torch.sum(src, 0, out=g[e])
+            if need_x:
+                torch.mm(dh1, w1[e].t(), out=dx_ND[lo:lo + n])
+                if ctx.gated:
+                    dx_ND[lo:lo + n].addmm_(dh3, w3[e].t())
+            lo += n
+        return (dx_ND, None, None, None, *dw, *db)
+
+
+def grouped_ffn(x_ND, counts, activation, w1, w2, w3=None, b1=None, b2=None, b3=None):
+    """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND, all in one node."""
+    act_fn, gated = ACTIVATIONS[activation]
+    if sum(counts) != x_ND.shape[0]:
+        raise ValueError(f"counts sum to {sum(counts)} but x_ND has {x_ND.shape[0]} rows; "
+                         "counts[e] must be the number of rows of expert e")
+    return _GroupedFFN.apply(x_ND, tuple(int(c) for c in counts), act_fn, gated,
+                             w1, w2, w3, b1, b2, b3)
 
 
 class ExpertBank(nn.Module):
@@ -69,6 +177,14 @@ class ExpertBank(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts: list) -> torch.Tensor:
         if len(counts) != self.num_local:
             raise ValueError(f"counts has {len(counts)} entries for {self.num_local} local experts")
+        params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
+        if _plain_same_dtype(x_ND, params):
+            return grouped_ffn(x_ND, counts, self.activation, *params)
+        return self._forward_ops(x_ND, counts)
+
+    def _forward_ops(self, x_ND: torch.Tensor, counts: list) -> torch.Tensor:
+        """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),
+        autocast, mixed dtypes. Slower: autograd stacks per-expert weight grads and cats."""
         if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
             return x_ND @ self.w1[0, :, :0] @ self.w2[0, :0, :]
         w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in
@@ -83,6 +199,15 @@ class ExpertBank(nn.Module):
                 h_nF = h_nF * (x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e]))
             outs.append(h_nF @ w2[e] if b2 is None else torch.addmm(b2[e], h_nF, w2[e]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _plain_same_dtype(x_ND, params) -> bool:
+    """The fused path needs ordinary tensors of one dtype and no autocast."""
+    if torch.is_autocast_enabled(x_ND.device.type):
+        return False
+    ps = [p for p in params if p is not None]
+    return all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == x_ND.dtype
+               and t.device == x_ND.device for t in [x_ND] + ps)
 
 
 class DenseFFN(nn.Module):
