@@ -77,7 +77,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
 def _apply_data_parallel(model, state) -> None:
     plan = state.plan
     if plan.zero == 3:
-        apply_fsdp(model, state.meshes, _blocks(model))
+        roots = state.pipeline.chunks if state.pipeline is not None else None
+        apply_fsdp(model, state.meshes, _blocks(model), roots)
         return
     buckets = reduction_groups(model, state.meshes)
     if plan.zero in (1, 2):

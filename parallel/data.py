@@ -203,8 +203,12 @@ def shard_optimizer(optimizer, zero_state: ZeroState):
 
 
 # ---------------------------------------------------------------- ZeRO 3 (FSDP2)
-def apply_fsdp(model, meshes, blocks, mp_policy=None) -> None:
-    """fully_shard experts over edp, other MoE params over pool, blocks and root over dp."""
+def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None) -> None:
+    """fully_shard experts over edp, other MoE params over pool, blocks and roots over dp.
+
+    roots: the modules whose forward is called (default [model]); with several pipeline
+    stages per rank these are the stage shells, each its own FSDP2 root.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp_policy = mp_policy or MixedPrecisionPolicy()
     plan = meshes.plan
@@ -219,7 +223,8 @@ def apply_fsdp(model, meshes, blocks, mp_policy=None) -> None:
                 _divide_by(m, pool, plan.dp)
     for block in blocks:
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp, mp_policy=mp_policy)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dp, mp_policy=mp_policy)
 
 
 def _divide_by(fsdp_module, mesh, dp: int) -> None:

@@ -146,6 +146,10 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"model.n_layers={n_layers} is not divisible by the {p.num_stages} pipeline stages "
                    f"(parallel.pp={p.pp} x {p.stages_per_rank} per rank); change parallel.pp or "
                    f"parallel.pp_stages_per_rank")
+    if p.pp > 1 and getattr(m, "tie_embeddings", False):
+        raise _err("model.tie_embeddings=true cannot be split across pipeline stages (parallel.pp="
+                   f"{p.pp}): the first and last stage would share a weight; set "
+                   "model.tie_embeddings=false or parallel.pp=1")
     if _has_moe(moe_cfg) and moe_cfg.num_experts % p.ep:
         raise _err(f"moe.num_experts={moe_cfg.num_experts} is not divisible by parallel.ep={p.ep}; "
                    f"pick an ep that divides it")

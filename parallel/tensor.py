@@ -104,8 +104,10 @@ def _moe_hooks(layer: MoELayer, group) -> None:
         mod.aux_loss = _tp_mean(mod.aux_loss, group)
         return _BatchToSeq.apply(out, group)
 
-    layer.register_forward_pre_hook(pre)
-    layer.register_forward_hook(post)
+    # prepend: hooks added earlier (pipeline aux injection/recording) must see the tp-mean
+    # aux loss and the sequence-sharded output
+    layer.register_forward_pre_hook(pre, prepend=True)
+    layer.register_forward_hook(post, prepend=True)
 
 
 def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:

@@ -49,45 +49,60 @@ def _train(world, spec, model_cfg, moe_cfg):
     return out
 
 
-def _worker(rank, world, layouts, model_cfg, moe_cfg):
-    return {name: _train(world, spec, model_cfg, moe_cfg) for name, spec in layouts}
+def _worker(rank, world, layouts):
+    out = {}
+    for name, spec, cfg in layouts:
+        model_cfg, moe_cfg = dc.configs(**cfg)
+        out[name] = _train(world, spec, model_cfg, moe_cfg)
+    return out
 
 
-def _check(results, ref, names):
-    for name in names:
+def _run_and_check(world, layouts, timeout):
+    refs = {}
+    for _, _, cfg in layouts:
+        key = tuple(sorted(cfg.items()))
+        if key not in refs:
+            refs[key] = dc.reference_run(*dc.configs(**cfg))
+    results = run_distributed(_worker, world, layouts, timeout=timeout)
+    for name, _, cfg in layouts:
+        ref = refs[tuple(sorted(cfg.items()))]
         for rank_out in results:
-            got = rank_out[name]
-            for step, ((l, g), (rl, rg)) in enumerate(zip(got, ref)):
+            for step, ((l, g), (rl, rg)) in enumerate(zip(rank_out[name], ref)):
                 assert abs(l - rl) <= ATOL + RTOL * abs(rl), f"{name} step {step}: loss {l} vs {rl}"
                 assert abs(g - rg) <= ATOL + RTOL * abs(rg), f"{name} step {step}: grad norm {g} vs {rg}"
 
 
-W2 = [("dp2", dict(dp=2)),
-      ("zero1_dp2", dict(dp=2, zero=1)),
-      ("zero2_dp2", dict(dp=2, zero=2)),
-      ("zero3_dp2", dict(dp=2, zero=3)),
-      ("ep2_dp2", dict(dp=2, ep=2)),
-      ("ep2_zero1_dp2", dict(dp=2, ep=2, zero=1)),
-      ("ep2_zero2_dp2", dict(dp=2, ep=2, zero=2)),
-      ("ep2_zero3_dp2", dict(dp=2, ep=2, zero=3)),
-      ("tp2", dict(tp=2)),
-      ("ep2_tp2", dict(tp=2, ep=2))]          # experts spread over the tp pair (ep | dp*tp)
+TIED, UNTIED = {}, {"tie": False}  # pipeline stages cannot share the tied embedding
+W2 = [("dp2", dict(dp=2), TIED),
+      ("zero1_dp2", dict(dp=2, zero=1), TIED),
+      ("zero2_dp2", dict(dp=2, zero=2), TIED),
+      ("zero3_dp2", dict(dp=2, zero=3), TIED),
+      ("ep2_dp2", dict(dp=2, ep=2), TIED),
+      ("ep2_zero2_dp2", dict(dp=2, ep=2, zero=2), TIED),
+      ("ep2_zero3_dp2", dict(dp=2, ep=2, zero=3), TIED),
+      ("tp2", dict(tp=2), TIED),
+      ("ep2_tp2", dict(tp=2, ep=2), TIED),           # experts over the tp pair (ep | dp*tp)
+      ("pp2_1f1b", dict(pp=2, microbatches=2), UNTIED),
+      ("pp2_gpipe", dict(pp=2, microbatches=2, pp_schedule="gpipe"), UNTIED)]
 
-W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2)),
-      ("ep2_tp2_zero3_dp2", dict(tp=2, ep=2, zero=3)),
-      ("ep4_tp2_zero2_dp2", dict(tp=2, ep=4, zero=2)),
-      ("tp2_zero1_dp2", dict(tp=2, zero=1))]
+W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
+      ("ep2_tp2_zero3_dp2", dict(tp=2, ep=2, zero=3), TIED),
+      ("ep4_tp2_zero2_dp2", dict(tp=2, ep=4, zero=2), TIED),
+      ("tp2_zero1_dp2", dict(tp=2, zero=1), TIED),
+      ("ep2_pp2_dp2", dict(pp=2, ep=2, microbatches=2), UNTIED),
+      ("pp2_zero3_dp2", dict(pp=2, zero=3, microbatches=2), UNTIED),
+      ("pp2_interleaved_tp2", dict(pp=2, tp=2, microbatches=2, pp_schedule="interleaved_1f1b"), UNTIED)]
+
+W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), UNTIED)]
 
 
-def test_world2_data_zero_expert():
-    model_cfg, moe_cfg = dc.configs()
-    ref = dc.reference_run(model_cfg, moe_cfg)
-    results = run_distributed(_worker, 2, W2, model_cfg, moe_cfg, timeout=240)
-    _check(results, ref, [n for n, _ in W2])
+def test_world2_data_zero_expert_tensor_pipeline():
+    _run_and_check(2, W2, timeout=300)
 
 
-def test_world4_tensor_with_data_zero_expert():
-    model_cfg, moe_cfg = dc.configs()
-    ref = dc.reference_run(model_cfg, moe_cfg)
-    results = run_distributed(_worker, 4, W4, model_cfg, moe_cfg, timeout=300)
-    _check(results, ref, [n for n, _ in W4])
+def test_world4_composed_layouts():
+    _run_and_check(4, W4, timeout=400)
+
+
+def test_world8_all_five():
+    _run_and_check(8, W8, timeout=300)
