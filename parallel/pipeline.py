@@ -94,7 +94,8 @@ class PipelineRunner:
                 m.register_forward_hook(self._record_aux)
 
     def _record_aux(self, mod, _args, _out):
-        self._aux.append(mod.aux_loss.detach())
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self._aux.append(mod.aux_loss.detach())
 
     def _build(self):
         from torch.distributed import pipelining

@@ -80,6 +80,7 @@ W2 = [("dp2", dict(dp=2), TIED),
       ("ep2_dp2", dict(dp=2, ep=2), TIED),
       ("ep2_zero2_dp2", dict(dp=2, ep=2, zero=2), TIED),
       ("ep2_zero3_dp2", dict(dp=2, ep=2, zero=3), TIED),
+      ("zero3_dp2_recompute", dict(dp=2, zero=3, recompute="full"), TIED),
       ("tp2", dict(tp=2), TIED),
       ("ep2_tp2", dict(tp=2, ep=2), TIED),           # experts over the tp pair (ep | dp*tp)
       ("pp2_1f1b", dict(pp=2, microbatches=2), UNTIED),
