@@ -209,9 +209,15 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None) -> None:
     roots: the modules whose forward is called (default [model]); with several pipeline
     stages per rank these are the stage shells, each its own FSDP2 root.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as _fully_shard
     mp_policy = mp_policy or MixedPrecisionPolicy()
     plan = meshes.plan
+
+    def fully_shard(module, mesh, mp_policy):  # all FSDP2 calls pick the shard dim below
+        return _fully_shard(module, mesh=mesh, mp_policy=mp_policy,
+                            shard_placement_fn=_shard_dim_for(mesh.size()))
+
     edp, pool, dp = meshes.expert["edp"], meshes.pool["pool"], meshes.dense["dp"]
     for mod in model.modules():
         if isinstance(mod, MoELayer):
@@ -234,3 +240,16 @@ def _divide_by(fsdp_module, mesh, dp: int) -> None:
     fsdp_module.set_gradient_divide_factor(float(dp))
     if mesh.size() > 1:
         fsdp_module.set_force_sum_reduction_for_comms(True)
+
+
+def _shard_dim_for(n: int):
+    """FSDP2 shards dim 0 by default; a [1, D, F] dense-FFN weight (or fewer local experts than
+    ranks) would then sit whole on one rank, so such tensors are split on their largest dim."""
+    from torch.distributed.tensor import Shard
+
+    def choose(p):
+        shape = _local(p).shape if isinstance(p, DTensor) else p.shape
+        if len(shape) == 0 or shape[0] >= n:
+            return Shard(0)
+        return Shard(max(range(len(shape)), key=lambda d: shape[d]))
+    return choose

@@ -6,7 +6,7 @@ import pytest
 from models.config import ModelConfig, MoEConfig
 from parallel.plan import ParallelPlan
 
-MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=8, n_heads=8, d_ff=128)
+MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=8, n_heads=8, d_ff=128, tie_embeddings=False)
 MOE = MoEConfig(num_experts=8, top_k=2, every=2)
 
 
@@ -66,6 +66,7 @@ def test_bad_plans_name_the_field(kwargs, world, pattern):
     (dict(ep=4), 4, dict(), dict(num_experts=6), r"moe\.num_experts=6 .* parallel\.ep=4"),
     (dict(ep=2), 2, dict(), dict(every=0), r"parallel\.ep=2 needs MoE layers"),
     (dict(tp=2), 2, dict(arch="switch"), dict(), r"model\.arch='gpt' only"),
+    (dict(pp=2), 2, dict(tie_embeddings=True), dict(), r"set model\.tie_embeddings=false"),
 ])
 def test_model_divisibility_errors(kwargs, world, model_kw, moe_kw, pattern):
     model = ModelConfig(**{**MODEL.__dict__, **model_kw})
