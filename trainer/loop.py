@@ -175,10 +175,11 @@ class _State:
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
         rec = {"step": n, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tokens / dt, "step_time_s": dt}
-        if self._due(n, self.cfg.train.eval_every):
-            rec["val_loss"] = self.evaluate()
+        if self._due(n, self.cfg.train.eval_every) and self.layout.plan.pp == 1:
+            rec["val_loss"] = self.evaluate()  # (no evaluation through a pipeline yet)
         self.log.log_step(rec)
-        if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.moe:
+        # a collective: decided from the config, not from this rank's (pipeline stage's) layers
+        if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
             self.log.log_moe(n, self._gather_stats(stats))
         if self._due(n, self.cfg.checkpoint.every, at_end=self.cfg.checkpoint.at_end):
             self.save(n)
@@ -190,6 +191,9 @@ class _State:
         self.model.train()
         idx = self.sampler.next_indices()
         batch = self.task.prepare(self.train_file.batch(idx), idx)
+        runner = getattr(getattr(self.model, "moekit_parallel", None), "pipeline", None)
+        if runner is not None:
+            return self._pipeline_step(runner, batch)
         mb = self.cfg.train.micro_batch_size or len(idx)
         micro = self.task.split(batch, len(idx) // mb)
         self.optimizer.zero_grad(set_to_none=True)
@@ -206,6 +210,19 @@ class _State:
                     stats[name].append(layer.last_stats)
         self.layout.sync_grads(self.model)
         return loss_sum / len(micro), aux_sum / len(micro), stats
+
+    def _pipeline_step(self, runner, batch_BS1):
+        """parallel.pp > 1: the schedule runs the micro-batches (forward and backward)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = runner.step(batch_BS1[:, :-1], batch_BS1[:, 1:])
+        # the runner returns task + aux; split off the aux part this stage's layers recorded
+        n = runner.plan.microbatches * len(self.moe)
+        aux = torch.stack([a.float() for a in runner._aux[-n:]]).sum() / runner.plan.microbatches \
+            if n else torch.zeros(())
+        aux = aux.reshape(1).to(total.device)
+        dist.all_reduce(aux, group=runner.meshes.group("pp"))
+        stats = {name: [layer.last_stats] for name, layer in self.moe if layer.last_stats is not None}
+        return total.detach() - aux[0], aux[0], stats
 
     def _update_bias(self) -> None:
         rate = self.cfg.moe.bias_update_rate
