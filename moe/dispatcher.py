@@ -17,7 +17,7 @@ from .routing import Routing
 class DispatchMeta:
     token_N: torch.Tensor           # long [N]: source token row of each dispatched row
     gate_N: torch.Tensor            # fp32 [N]: its gate weight
-    slot_N: Optional[torch.Tensor]  # long [N]: t*K + k (token choice) or None (index_add)
+    slot_N: Optional[torch.Tensor]  # long [N]: t*K + k (token choice) or None (expert choice)
     slots_per_token: int
     num_tokens: int
     counts_E: tuple                 # rows per local expert, in order
@@ -50,7 +50,7 @@ def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch
     fp32 copy of a bf16 y, and its backward is a gather for y (every row is used exactly
     once) and a row-dot for the gates, so it is deterministic. The gates are cast to y's
     dtype: in bf16 runs the weighting and the router's gate gradient have bf16 precision,
-    like the expert outputs they multiply. The sum over a token's rows accumulates in fp32.
+    like the expert outputs they multiply (the router itself stays fp32).
     """
     T, N, D = meta.num_tokens, y_ND.shape[0], y_ND.shape[-1]
     if N == 0 or T == 0:  # nothing kept: zeros that still belong to the graph

@@ -52,6 +52,21 @@ def _row(p, e):
     return None if p is None else p[e]
 
 
+def _colmajor_hidden(x_ND, n: int) -> bool:
+    """Whether expert e's [n, F] hidden buffers should be column-major.
+
+    Measured on this project's CPUs (MKL sgemm, 2 threads): with few rows per expert
+    (n = 128..256, e.g. E=128 at T=8192, k=2) a column-major [n, F] output makes aten call
+    MKL in the orientation it threads well: 10-30% faster per expert FFN (fwd+bwd); neutral
+    from n ~ 1024, so the cut is at 512. oneDNN's bf16 path gets slower, and CUDA has its own heuristics: row-major there.
+    """
+    return x_ND.device.type == "cpu" and x_ND.dtype in (torch.float32, torch.float64) and n <= 512
+
+
+def _hidden(x_ND, n: int, f: int, colmajor: bool):
+    return x_ND.new_empty(f, n).t() if colmajor else x_ND.new_empty(n, f)
+
+
 class _GroupedFFN(torch.autograd.Function):
     """All experts' FFNs in one autograd node; outputs and gradients written in place.
 
@@ -70,9 +85,10 @@ class _GroupedFFN(torch.autograd.Function):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            x = x_ND[lo:lo + n]
-            h1 = _affine(x, w1[e], _row(b1, e))
-            h3 = _affine(x, w3[e], _row(b3, e)) if gated else None
+            x, F_ = x_ND[lo:lo + n], w1.shape[-1]
+            cm = _colmajor_hidden(x_ND, n)
+            h1 = _affine(x, w1[e], _row(b1, e), out=_hidden(x_ND, n, F_, cm))
+            h3 = _affine(x, w3[e], _row(b3, e), out=_hidden(x_ND, n, F_, cm)) if gated else None
             a = act_fn(h1) * h3 if gated else act_fn(h1)
             _affine(a, w2[e], _row(b2, e), out=y_ND[lo:lo + n])
             saved += [h1, h3, a]
@@ -102,7 +118,8 @@ class _GroupedFFN(torch.autograd.Function):
             h1, h3, a = saved[i:i + 3]
             i += 3
             x, dy = x_ND[lo:lo + n], dy_ND[lo:lo + n]
-            da = dy @ w2[e].t()
+            da_buf = _hidden(x_ND, n, h1.shape[-1], _colmajor_hidden(x_ND, n))
+            da = torch.mm(dy, w2[e].t(), out=da_buf)
             dh3 = da * ctx.act_fn(h1) if ctx.gated else None
             dh1 = _act_backward(ctx.act_fn, da * h3 if ctx.gated else da, h1)
             if need_w:

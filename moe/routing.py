@@ -3,7 +3,7 @@
 Shapes: T tokens, E experts, K top-k, A assignments.
 Token-choice routing gives A <= T*K assignments with slot = t*K + k (the combine sums the K
 slots of each token in a fixed order, deterministic on every device); expert-choice gives
-A = groups*E*C assignments with no slots (combine accumulates with index_add).
+A = groups*E*C assignments with no slots (combine sums each token's rows in expert order).
 """
 from dataclasses import dataclass
 from typing import Optional

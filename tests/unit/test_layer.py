@@ -231,9 +231,10 @@ def test_bad_inputs_name_the_problem():
 
 @pytest.mark.parametrize("activation,bias", [("gelu", False), ("swiglu", True), ("relu", True),
                                              ("gelu_tanh", False)])
-@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [0, 9, 0, 0]])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [0, 9, 0, 0], [600, 0, 3, 1]])
 def test_fused_expert_bank_equals_plain_ops(activation, bias, counts):
-    """The fused grouped-FFN node against the bank's plain-op path, idle experts included."""
+    """The fused grouped-FFN node against the bank's plain-op path, idle experts included
+    (600 rows: the row-major hidden layout; fewer: column-major on CPU)."""
     from moe import ExpertBank
     torch.manual_seed(2)
     bank = ExpertBank(4, D, FF, activation, bias=bias).double()
