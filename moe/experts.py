@@ -195,13 +195,21 @@ class ExpertBank(nn.Module):
         if len(counts) != self.num_local:
             raise ValueError(f"counts has {len(counts)} entries for {self.num_local} local experts")
         params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
-        if _plain_same_dtype(x_ND, params):
+        dev = x_ND.device.type
+        if torch.is_autocast_enabled(dev) and _plain(x_ND, params, same_dtype=False):
+            # autocast would run every matmul in its low dtype: cast once (differentiably,
+            # so fp32 master weights get fp32 grads) and run the fused path with it off
+            dt = torch.get_autocast_dtype(dev)
+            x_ND, params = x_ND.to(dt), tuple(None if p is None else p.to(dt) for p in params)
+            with torch.autocast(dev, enabled=False):
+                return grouped_ffn(x_ND, counts, self.activation, *params)
+        if not torch.is_autocast_enabled(dev) and _plain(x_ND, params):
             return grouped_ffn(x_ND, counts, self.activation, *params)
         return self._forward_ops(x_ND, counts)
 
     def _forward_ops(self, x_ND: torch.Tensor, counts: list) -> torch.Tensor:
         """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),
-        autocast, mixed dtypes. Slower: autograd stacks per-expert weight grads and cats."""
+        mixed dtypes. Slower: autograd stacks per-expert weight grads and cats."""
         if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
             return x_ND @ self.w1[0, :, :0] @ self.w2[0, :0, :]
         w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in
@@ -218,13 +226,11 @@ class ExpertBank(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _plain_same_dtype(x_ND, params) -> bool:
-    """The fused path needs ordinary tensors of one dtype and no autocast."""
-    if torch.is_autocast_enabled(x_ND.device.type):
-        return False
+def _plain(x_ND, params, same_dtype: bool = True) -> bool:
+    """The fused path needs ordinary (not DTensor) tensors on one device (and of one dtype)."""
     ps = [p for p in params if p is not None]
-    return all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == x_ND.dtype
-               and t.device == x_ND.device for t in [x_ND] + ps)
+    return all(type(t) in (torch.Tensor, nn.Parameter) and t.device == x_ND.device
+               and (t.dtype == x_ND.dtype or not same_dtype) for t in [x_ND] + ps)
 
 
 class DenseFFN(nn.Module):
