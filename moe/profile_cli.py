@@ -138,8 +138,8 @@ def main(argv=None) -> int:
         if args.checkpoint:
             print(f"weights: {load_checkpoint_weights(model, args.checkpoint)}")
         batches, tokenizer = validation_batches(cfg, arch, args.batches, device)
-        torch.set_grad_enabled(False)
-        report = profile_model(model, batches, args.out, tokenizer=tokenizer)
+        with torch.no_grad():  # scoped: the CLI is also called in-process by tests
+            report = profile_model(model, batches, args.out, tokenizer=tokenizer)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
