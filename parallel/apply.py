@@ -36,8 +36,14 @@ def _blocks(model) -> list:
     return list(blocks) if blocks is not None else []
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=None) -> nn.Module:
+def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=None,
+                init_fn=None) -> nn.Module:
     """Apply `plan` (already validated) to `model`; `meshes` from build_meshes (None: 1 process).
+
+    init_fn(model), if given, materialises and initialises a meta-device model at the point
+    where it is cheapest and still safe: after the pipeline split and the tensor/expert
+    sharding (so no rank ever holds the whole model), before data-parallel gradient hooks are
+    registered on the parameter objects (zero 0/1/2), or after FSDP2 sharding (zero 3).
 
     loss_fn(logits, targets) is needed only for pipeline parallelism (the last stage computes
     the loss). Returns the model (the same object unless pipelining wraps it).
@@ -67,8 +73,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if plan.compile:
         for b in _blocks(model):
             b.compile()
+    if init_fn is not None and plan.zero != 3:
+        init_fn(model)
     if meshes is not None:
         _apply_data_parallel(model, state)
+    if init_fn is not None and plan.zero == 3:
+        init_fn(model)
     state.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
     model.moekit_parallel = state
     return model

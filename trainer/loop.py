@@ -85,17 +85,15 @@ def _run(cfg, ctx) -> int:
 
     torch.manual_seed(cfg.train.seed)
     model = _build_model(cfg, ctx)
-    # ZeRO-3 (FSDP2) shards parameters on the meta device and materialises only this rank's
-    # shards. The other layouts keep full dense weights per rank anyway, and their gradient
-    # hooks are registered on the parameter objects, which materialising would replace, so
-    # they are initialised first (sharding after init gives the same values: init is seeded
-    # per global tensor).
-    meta_init = plan.zero == 3 and not cfg.hf.family
-    if not meta_init and not cfg.hf.family:
-        models.init_weights(model, cfg.train.seed, ctx.device)
-    layout = build_layout(ctx, plan, model, loss_fn=token_loss)
-    if meta_init:
-        models.init_weights(model, cfg.train.seed, ctx.device)
+    # Our models are built on the meta device; parallelize materialises and initialises them
+    # after the pipeline split and tensor/expert sharding (and after FSDP2 under ZeRO-3), so
+    # a rank never holds the whole model. Init is seeded per global tensor, so every layout
+    # starts from the same weights. HF models arrive initialised (moe.hf_build).
+    init_fn = None
+    if not cfg.hf.family:
+        def init_fn(m):
+            models.init_weights(m, cfg.train.seed, ctx.device)
+    layout = build_layout(ctx, plan, model, loss_fn=token_loss, init_fn=init_fn)
     optimizer = layout.prepare_optimizer(model, build_optimizer(model, cfg.train))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)

@@ -132,7 +132,7 @@ class Layout:
         return out
 
 
-def build_layout(ctx, plan, model, loss_fn=None):
+def build_layout(ctx, plan, model, loss_fn=None, init_fn=None):
     """Apply the plan to `model` in place (parallel.apply.parallelize) and return its Layout.
 
     Without parallel/apply (an older checkout), one process and plain data parallelism still
@@ -144,7 +144,9 @@ def build_layout(ctx, plan, model, loss_fn=None):
     except ImportError:
         if (plan.tp, plan.pp, plan.ep, plan.zero) != (1, 1, 1, 0) or plan.precision != "fp32":
             raise
+        if init_fn is not None:
+            init_fn(model)
         return Layout(ctx, plan, parallel_api=False)
     meshes = build_meshes(plan, ctx.device.type) if ctx.distributed else None
-    parallelize(model, plan, meshes, loss_fn=loss_fn)
+    parallelize(model, plan, meshes, loss_fn=loss_fn, init_fn=init_fn)
     return Layout(ctx, plan, meshes)
