@@ -231,6 +231,8 @@ def _check_own(cfg: Config) -> None:
              f"lower data.seq_len or raise model.max_seq_len")
     _require(lg.every >= 1, f"log.every={lg.every} must be >= 1")
     _require(lg.moe_stats_every >= 0, f"log.moe_stats_every={lg.moe_stats_every} must be >= 0")
+    _require(lg.profile_every >= 0, f"log.profile_every={lg.profile_every} must be >= 0")
+    _require(lg.profile_batches >= 1, f"log.profile_batches={lg.profile_batches} must be >= 1")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = only at the end)")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
 
@@ -239,6 +241,10 @@ def _check_batching(cfg: Config, plan) -> None:
     local = cfg.train.batch_size // plan.dp
     mb = cfg.train.micro_batch_size
     if plan.pp > 1:
+        _require(cfg.log.profile_every == 0 or cfg.moe.every == 0,
+                 f"log.profile_every={cfg.log.profile_every} is not supported with parallel.pp={plan.pp} "
+                 f"(a stage does not hold the whole model): set log.profile_every=0 and profile a "
+                 f"checkpoint with `python -m moe.profile --checkpoint`")
         _require(mb == 0, f"train.micro_batch_size={mb} cannot be combined with parallel.pp={plan.pp}: "
                           f"the pipeline splits batches itself; set parallel.microbatches instead")
     elif mb:

@@ -179,6 +179,9 @@ class _State:
         # a collective: decided from the config, not from this rank's (pipeline stage's) layers
         if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
             self.log.log_moe(n, self._gather_stats(stats))
+        if self._due(n, self.cfg.log.profile_every, at_end=False) and self.cfg.moe.every > 0:
+            from .profiling import profile_at_step
+            profile_at_step(self, n)
         if self._due(n, self.cfg.checkpoint.every, at_end=self.cfg.checkpoint.at_end):
             self.save(n)
 

@@ -56,6 +56,8 @@ class LogConfig:
     progress: str = _f("auto", "auto (bar on a terminal, plain lines otherwise) | bar | plain | none")
     tensorboard: bool = _f(True, "write TensorBoard events to run.dir/tb")
     moe_stats_every: int = _f(10, "write per-layer expert-load histograms and routing stats every N steps; 0 = never")
+    profile_every: int = _f(0, "write an expert-load profile (run.dir/profile/step_N: load.json, load.png, TensorBoard) every N steps; 0 = never")
+    profile_batches: int = _f(2, "held-out batches (of train.batch_size sequences) per load profile")
 
 
 @dataclass
