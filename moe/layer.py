@@ -5,6 +5,7 @@ dims but the last two), S tokens per group (dim -2 of the input).
 """
 import torch
 import torch.nn as nn
+from torch.profiler import record_function  # named ranges for traces; ~free when not profiling
 
 from .dispatcher import LocalDispatcher
 from .experts import DenseFFN, ExpertBank, check_activation
@@ -89,13 +90,18 @@ class MoELayer(nn.Module):
         S = shape[-2] if x.dim() >= 2 else 1
         x_GSD = x.reshape(-1, S, D)
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
-        routing = self.router(x_GSD, cf)
+        with record_function("moe.router"):
+            routing = self.router(x_GSD, cf)
         x_TD = x_GSD.reshape(-1, D)
-        x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
-        y_ND = self.experts(x_ND, counts_E)
-        y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
+        with record_function("moe.dispatch"):
+            x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
+        with record_function("moe.experts"):
+            y_ND = self.experts(x_ND, counts_E)
+        with record_function("moe.combine"):
+            y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            with record_function("moe.shared_experts"):
+                y_TD = y_TD + self.shared_experts(x_TD)
         self._record(routing)
         return y_TD.reshape(shape)
 

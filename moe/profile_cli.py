@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", help="run dir or checkpoint dir to load model weights from")
     p.add_argument("--out", required=True, help="output dir for load.json, load.png, tensorboard/")
     p.add_argument("--batches", type=int, default=8, help="validation batches to run (default 8)")
+    p.add_argument("--trace", action="store_true",
+                   help="also time one training step with torch.profiler: OUT/trace.json + a printed breakdown")
     p.add_argument("overrides", nargs="*", help="section.field=value, as for train.py")
     args = p.parse_args(argv)
     import torch
@@ -144,5 +146,29 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_summary(report, sys.stdout)
+    if args.trace:
+        _trace(model, cfg, arch, device, args.out)
     print(f"wrote {args.out}/load.json, {args.out}/load.png, {args.out}/tensorboard")
     return 0
+
+
+def _trace(model, cfg, arch, device, out_dir) -> None:
+    """Forward + backward of one held-out batch with the training loss (+ aux), profiled."""
+    from data.prepare import prepared_dir
+    from data.sampler import eval_indices, open_split
+    from trainer.tasks import Task
+
+    from .aux import collect_aux_loss
+    from .trace import print_breakdown, trace_step
+    val = open_split(prepared_dir(cfg.data), "val", cfg.data.seq_len)
+    idx = eval_indices(val.num_sequences, cfg.train.batch_size, 0, 1)
+    task = Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, device)
+    batch = task.prepare(val.batch(idx), idx)
+
+    def step():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = task.loss(model, batch)
+        (loss + collect_aux_loss(model)).backward()
+    print_breakdown(trace_step(step, out_dir), sys.stdout)
+    print(f"wrote {out_dir}/trace.json")

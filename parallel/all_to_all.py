@@ -82,7 +82,8 @@ def all_to_all(x_ND: torch.Tensor, out_splits: list, in_splits: list, group=None
     if x_ND.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all: x has {x_ND.shape[0]} rows but in_splits sum to "
                          f"{sum(in_splits)}")
-    return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group, counter)
+    with torch.profiler.record_function("moe.all_to_all"):
+        return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group, counter)
 
 
 def exchange_counts(send_counts_PL: torch.Tensor, group=None,
