@@ -83,12 +83,15 @@ class PipelineRunner:
     same returned loss: mean task loss over microbatches plus every MoE layer's aux loss
     averaged over microbatches (what one process reports for the whole batch).
     Gradients are left reduced over dp/edp/pool and divided by the microbatch count.
+    `runner.stage_aux_loss()` is this rank's part of that aux loss (before the pp sum);
+    `runner.evaluate(x, y)` is the forward-only mean task loss, on every pp rank.
     """
 
     def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn):
         self.plan, self.meshes, self.model = plan, meshes, model
         self.chunks, self.stage_ids, self.loss_fn = chunks, stage_ids, loss_fn
-        self.schedule, self._aux = None, []
+        self.schedule, self.eval_schedule, self._aux = None, None, []
+        self._stage_aux = torch.zeros(())
         for m in model.modules():
             if isinstance(m, MoELayer):
                 m.register_forward_hook(self._record_aux)
@@ -106,11 +109,11 @@ class PipelineRunner:
                   for c, s in zip(self.chunks, self.stage_ids)]
         cls = getattr(pipelining, SCHEDULES[self.plan.pp_schedule])
         arg = stages if self.plan.pp_schedule == "interleaved_1f1b" else stages[0]
-        self.schedule = cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
+        return cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
 
     def step(self, x_BS, y_BS):
         if self.schedule is None:
-            self._build()
+            self.schedule = self._build()
         self._aux.clear()
         state = getattr(self.model, "moekit_parallel", None)
         grad_sync = state.grad_sync if state is not None else None
@@ -130,7 +133,32 @@ class PipelineRunner:
         # the last mb * layers records: the first step also runs a shape-inference forward
         n = mb * sum(isinstance(m, MoELayer) for m in self.model.modules())
         aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / mb if n else torch.zeros(())
+        self._stage_aux = aux  # kept apart from _aux, which later (eval) forwards append to
         total = (task + aux).reshape(1)
         dist.all_reduce(total, group=self.meshes.group("pp"))
         return total[0]
 
+
+    def stage_aux_loss(self) -> torch.Tensor:
+        """The aux loss of this rank's MoE layers in the last step(), averaged over
+        microbatches; summing it over the pp group gives the aux part of step()'s loss."""
+        return self._stage_aux
+
+    def evaluate(self, x_BS, y_BS) -> torch.Tensor:
+        """Forward-only mean task loss over microbatches (equal-sized, so the batch mean),
+        returned on every pp rank. The model's train/eval mode is the caller's.
+
+        A schedule of its own, always run forward-only: sharing the training schedule would
+        redo its shape inference (a real forward) at every train/eval switch.
+        """
+        if self.eval_schedule is None:
+            self.eval_schedule = self._build()
+        losses = []
+        first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids
+        with torch.no_grad():
+            self.eval_schedule.eval(*((x_BS,) if first else ()), target=y_BS if last else None,
+                                    losses=losses)
+        task = torch.stack([l.float() for l in losses]).mean() if last and losses else torch.zeros(())
+        task = task.reshape(1).to(x_BS.device)
+        dist.all_reduce(task, group=self.meshes.group("pp"))
+        return task[0]

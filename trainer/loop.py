@@ -173,8 +173,8 @@ class _State:
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
         rec = {"step": n, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tokens / dt, "step_time_s": dt}
-        if self._due(n, self.cfg.train.eval_every) and self.layout.plan.pp == 1:
-            rec["val_loss"] = self.evaluate()  # (no evaluation through a pipeline yet)
+        if self._due(n, self.cfg.train.eval_every):
+            rec["val_loss"] = self.evaluate()
         self.log.log_step(rec)
         # a collective: decided from the config, not from this rank's (pipeline stage's) layers
         if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
@@ -216,11 +216,8 @@ class _State:
         """parallel.pp > 1: the schedule runs the micro-batches (forward and backward)."""
         self.optimizer.zero_grad(set_to_none=True)
         total = runner.step(batch_BS1[:, :-1], batch_BS1[:, 1:])
-        # the runner returns task + aux; split off the aux part this stage's layers recorded
-        n = runner.plan.microbatches * len(self.moe)
-        aux = torch.stack([a.float() for a in runner._aux[-n:]]).sum() / runner.plan.microbatches \
-            if n else torch.zeros(())
-        aux = aux.reshape(1).to(total.device)
+        # the runner returns task + aux; split off the aux part, summed over the stages
+        aux = runner.stage_aux_loss().float().reshape(1).to(total.device)
         dist.all_reduce(aux, group=runner.meshes.group("pp"))
         stats = {name: [layer.last_stats] for name, layer in self.moe if layer.last_stats is not None}
         return total.detach() - aux[0], aux[0], stats
@@ -238,12 +235,21 @@ class _State:
         self.model.eval()
         count = self.cfg.train.eval_batches * self.cfg.train.batch_size
         idx = eval_indices(self.val_file.num_sequences, count, self.layout.dp_rank, self.layout.dp_size)
-        mb = self.cfg.train.micro_batch_size or self.cfg.train.batch_size // self.layout.dp_size
+        runner = getattr(getattr(self.model, "moekit_parallel", None), "pipeline", None)
+        per_rank = self.cfg.train.batch_size // self.layout.dp_size
+        # a pipeline splits each chunk into its fixed microbatch count: use the training shape
+        mb = per_rank if runner is not None else self.cfg.train.micro_batch_size or per_rank
         total = torch.zeros((), device=self.ctx.device)
+        if runner is not None and len(idx) >= mb:  # (a short validation split: whole chunks only)
+            idx = idx[:len(idx) - len(idx) % mb]
         chunks = [idx[i:i + mb] for i in range(0, len(idx), mb)]
         for chunk in chunks:
             batch = self.task.prepare(self.val_file.batch(chunk), chunk)
-            total += self.task.loss(self.model, batch) * len(chunk)
+            if runner is not None:  # every pp rank gets the last stage's loss
+                loss = runner.evaluate(batch[:, :-1], batch[:, 1:]).to(total.device)
+            else:
+                loss = self.task.loss(self.model, batch)
+            total += loss * len(chunk)
         mean = total / len(idx)
         self.model.train()
         return float(self.layout.mean_over_data(mean.reshape(1))[0])
