@@ -144,21 +144,33 @@ class _Slices:
             s.grad = g.clone() if s.grad is None else s.grad.add_(g)
             p.grad = None
 
-    def all_gather(self) -> None:
-        """Write the updated slices back into the full parameters."""
-        mine = torch.cat([s.detach() for s in self.shards])
+    def slice_of(self, t, L):
+        """This rank's [L] slice of a tensor laid out like the local parameter."""
+        return self._full_rows(t, L)[self.r]
+
+    def gather_full(self, slices, which=None) -> list:
+        """Collective over the group: the full local-parameter-shaped tensors of `slices`, one
+        [L] slice for each parameter index in `which` (default: every parameter, in order)."""
+        which = range(len(self.params)) if which is None else which
+        mine = torch.cat([s.detach() for s in slices])
         rows = mine.new_empty(self.P * mine.numel())
         if self.P > 1:
             dist.all_gather_into_tensor(rows, mine, group=self.group)
         else:
             rows.copy_(mine)
         rows = rows.view(self.P, -1)
-        offset = 0
-        for p, L in zip(self.params, self.L):
-            full = rows[:, offset:offset + L].reshape(-1)[:_local(p).numel()]
-            with torch.no_grad():
-                _local(p).copy_(full.view_as(_local(p)))
+        out, offset = [], 0
+        for i in which:
+            p, L = self.params[i], self.L[i]
+            out.append(rows[:, offset:offset + L].reshape(-1)[:_local(p).numel()].view_as(_local(p)))
             offset += L
+        return out
+
+    def all_gather(self) -> None:
+        """Write the updated slices back into the full parameters."""
+        with torch.no_grad():
+            for p, full in zip(self.params, self.gather_full(self.shards)):
+                _local(p).copy_(full)
 
 
 class ZeroState:
@@ -173,6 +185,73 @@ class ZeroState:
     def after_backward(self) -> None:  # zero=2 only
         for sl in self.slices:
             sl.reduce_scatter(free_full=True)
+
+    def refresh_from_params(self) -> None:
+        """Re-copy the parameters into the master slices (after loading weights into the model:
+        the slices are copies, so they would otherwise keep the old values)."""
+        with torch.no_grad():
+            for sl in self.slices:
+                for p, s, L in zip(sl.params, sl.shards, sl.L):
+                    s.copy_(sl.slice_of(_local(p).detach(), L))
+
+    def model_param_of(self) -> dict:
+        """id(slice) -> the model parameter it is a slice of."""
+        return {id(s): p for sl in self.slices for p, s in zip(sl.params, sl.shards)}
+
+    def full_optimizer_state(self, optimizer) -> dict:
+        """Collective: {id(model param): {key: value}} with every per-slice state tensor gathered
+        into the full local-parameter shape (scalars such as Adam's step kept as they are).
+
+        Gathers one tensor per parameter and key over the bucket's group: a full copy of the
+        state passes through every rank, which is fine at our model sizes (checkpoints only).
+        Every rank holds state for the same slices, so all ranks issue the same collectives.
+        """
+        out = {}
+        for sl in self.slices:
+            for i, (p, s, L) in enumerate(zip(sl.params, sl.shards, sl.L)):
+                st = optimizer.state.get(s)
+                if not st:
+                    continue
+                full = {}
+                for key in sorted(st):
+                    v = st[key]
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == L:
+                        full[key] = sl.gather_full([v], [i])[0].clone()
+                    else:
+                        full[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                out[id(p)] = full
+        return out
+
+    def load_full_optimizer_state(self, optimizer, full: dict) -> None:
+        """Inverse of full_optimizer_state (local, no communication): keep this rank's slice of
+        each full local-parameter-shaped tensor in `full` ({id(model param): {key: value}})."""
+        for sl in self.slices:
+            for p, s, L in zip(sl.params, sl.shards, sl.L):
+                if id(p) not in full:
+                    continue
+                st = {}
+                for key, v in full[id(p)].items():
+                    if isinstance(v, torch.Tensor) and v.shape == _local(p).shape and v.dim() > 0:
+                        st[key] = sl.slice_of(v.to(s.device), L).clone()
+                    else:
+                        st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                optimizer.state[s] = st
+
+    def init_optimizer_state(self, optimizer) -> None:
+        """Collective: give the slice optimizer its state tensors (so a checkpoint can be loaded
+        into them) by one step with zero gradients at lr=0, which leaves the slices unchanged."""
+        if optimizer.state:
+            return
+        for sl in self.slices:
+            for s in sl.shards:
+                s.grad = torch.zeros_like(s)
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+        optimizer.step()
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
 
 
 def shard_optimizer(optimizer, zero_state: ZeroState):

@@ -4,8 +4,8 @@ Layout of run.dir/checkpoints/step_00000100/:
   DCP files       model and optimizer state (sharded tensors are resharded on load)
   trainer.json    step, scheduler, sampler position, resolved config, world size
   rng_rank<r>.pt  each rank's RNG states (restored only when the world size is unchanged)
-  optim_rank<r>.pt  only for optimizers over private flat slices (ZeRO-1/2): that state is
-                  not keyed by parameter, so it resumes only under the same layout
+  optim_rank<r>.pt  only in checkpoints from before ZeRO-1/2 state was saved portably
+                  (private per-rank slices; they resume only under the same layout)
   COMPLETE        written last, before the rename
 
 A save goes to checkpoints/.tmp-step_.../ and is renamed into place only when every rank
@@ -26,6 +26,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 
 from .distributed import barrier
+
+# ZeRO-1/2 optimizers step private flat slices; their state is saved gathered into the
+# parameter-shaped, name-keyed form get_state_dict gives for the other layouts, so any
+# layout can load it (see _zero_optim_state).
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # Fields that change behaviour but not parameter shapes: a resume may change them.
@@ -74,10 +78,66 @@ def structural_diff(saved_cfg: dict, cfg: dict) -> list:
     return diffs
 
 
-def _model_optim_state(model, optimizer, transform, per_rank_optim: bool):
-    if per_rank_optim:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def _zero_state(model):
+    """The ZeRO-1/2 slice bookkeeping parallelize() attached to the model, or None."""
+    return getattr(getattr(model, "moekit_parallel", None), "zero_state", None)
+
+
+def _param_name(name: str) -> str:
+    return name.replace("_orig_mod.", "")  # as get_state_dict names a compiled module's params
+
+
+def _zero_optim_state(model, optimizer, zero) -> dict:
+    """Collective: the slice optimizer's state as get_state_dict would give it for an unsharded
+    optimizer over the model (keyed by parameter name, tensors shaped like the parameter;
+    DTensor parameters get DTensor state with the same placements)."""
+    from torch.distributed.tensor import DTensor
+    full = zero.full_optimizer_state(optimizer)
+    state = {}
+    for name, p in model.named_parameters():
+        if id(p) not in full:
+            continue
+        state[_param_name(name)] = {k: _like_param(v, p, DTensor) for k, v in full[id(p)].items()}
+    names = {id(p): _param_name(n) for n, p in model.named_parameters()}
+    of = zero.model_param_of()
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names[id(of[id(s)])] for s in g["params"]]} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _like_param(v, p, DTensor):
+    if not isinstance(p, DTensor) or not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return v
+    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _set_zero_optim_state(model, optimizer, zero, optim_sd) -> None:
+    """Scatter a loaded name-keyed optimizer state back into this rank's slices."""
+    from torch.distributed.tensor import DTensor
+    full = {}
+    for name, p in model.named_parameters():
+        st = optim_sd["state"].get(_param_name(name))
+        if st is not None:
+            full[id(p)] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in st.items()}
+    zero.load_full_optimizer_state(optimizer, full)
+    for g, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _model_optim_state(model, optimizer, transform, for_load: bool = False):
+    zero = _zero_state(model)
+    if zero is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    else:
+        if for_load:
+            zero.init_optimizer_state(optimizer)  # the load fills existing state tensors
+        model_sd = get_model_state_dict(model)
+        optim_sd = _zero_optim_state(model, optimizer, zero)
+        missing = [k for k in optim_sd["state"] if k not in model_sd]
+        if missing:
+            raise RuntimeError(f"ZeRO optimizer state names {missing[:3]} are not model state "
+                               f"names; checkpoint._param_name must map them")
     if transform is not None:
         model_sd, optim_sd = transform(model_sd, optim_sd)
     return {"model": model_sd, "optim": optim_sd}
@@ -91,7 +151,7 @@ def _rng_state() -> dict:
 
 
 def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: int,
-         transform=None, per_rank_optim: bool = False) -> Path:
+         transform=None) -> Path:
     """Collective: every rank calls it. `transform(model_sd, optim_sd)` may wrap local
     shards (e.g. expert-parallel slices) as DTensors so DCP can reshard them later."""
     final = step_dir(run_dir, step)
@@ -103,10 +163,7 @@ def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: i
         tmp.mkdir(parents=True)
     barrier(ctx)
     with _quiet_single_process(ctx):
-        dcp.save(_model_optim_state(model, optimizer, transform, per_rank_optim),
-                 checkpoint_id=str(tmp))
-    if per_rank_optim:
-        torch.save(optimizer.state_dict(), tmp / f"optim_rank{ctx.rank}.pt")
+        dcp.save(_model_optim_state(model, optimizer, transform), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     if ctx.is_main:
         state = dict(trainer_state, step=step, world_size=ctx.world_size)
@@ -147,25 +204,46 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def load(ctx, path, model, optimizer, transform=None, untransform=None,
-         per_rank_optim: bool = False) -> dict:
+def load(ctx, path, model, optimizer, transform=None, untransform=None) -> dict:
     """Collective: load model/optimizer in place (resharding as needed); returns trainer.json.
 
     `transform` must be the one used at save time; `untransform(model_sd, optim_sd)` copies
-    loaded values back into the local tensors if `transform` made copies.
+    loaded values back into the local tensors if `transform` made copies. Under ZeRO-1/2 the
+    optimizer slices and the master slices are refreshed from what was loaded.
     """
     path = Path(path)
-    state = _model_optim_state(model, optimizer, transform, per_rank_optim)
+    if (path / f"optim_rank{ctx.rank}.pt").is_file():
+        _load_legacy_per_rank(ctx, path, model, optimizer)
+        return _restore_rng(ctx, path)
+    state = _model_optim_state(model, optimizer, transform, for_load=True)
     with _quiet_single_process(ctx):
         dcp.load(state, checkpoint_id=str(path))
-    if per_rank_optim:
-        set_model_state_dict(model, state["model"])
-        optimizer.load_state_dict(torch.load(path / f"optim_rank{ctx.rank}.pt", weights_only=False))
-    else:
-        model_sd, optim_sd = state["model"], state["optim"]
-        if untransform is not None:
-            model_sd, optim_sd = untransform(model_sd, optim_sd)
+    model_sd, optim_sd = state["model"], state["optim"]
+    if untransform is not None:
+        model_sd, optim_sd = untransform(model_sd, optim_sd)
+    zero = _zero_state(model)
+    if zero is None:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:
+        set_model_state_dict(model, model_sd)
+        _set_zero_optim_state(model, optimizer, zero, optim_sd)
+        zero.refresh_from_params()
+    return _restore_rng(ctx, path)
+
+
+def _load_legacy_per_rank(ctx, path, model, optimizer) -> None:
+    """A checkpoint from before portable ZeRO-1/2 state (run_dir checks the layout is the same)."""
+    state = {"model": get_model_state_dict(model)}
+    with _quiet_single_process(ctx):
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    optimizer.load_state_dict(torch.load(path / f"optim_rank{ctx.rank}.pt", weights_only=False))
+    zero = _zero_state(model)
+    if zero is not None:
+        zero.refresh_from_params()
+
+
+def _restore_rng(ctx, path) -> dict:
     info = read_trainer_state(path)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     if info.get("world_size") == ctx.world_size and rng_file.is_file():

@@ -103,8 +103,7 @@ def _run(cfg, ctx) -> int:
     if resume_from is not None:
         try:
             transform, untransform = layout.checkpoint_transforms(model)
-            info = checkpoint.load(ctx, resume_from, model, optimizer, transform, untransform,
-                                   per_rank_optim=plan.zero in (1, 2))
+            info = checkpoint.load(ctx, resume_from, model, optimizer, transform, untransform)
             sampler.load_state_dict(info["sampler"])
             layout.after_load(model)
         except (RuntimeError, ValueError) as e:
@@ -271,11 +270,10 @@ class _State:
 
     def save(self, n: int) -> None:
         plan = self.layout.plan
-        per_rank = plan.zero in (1, 2)
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
-                 "config": to_dict(self.cfg), "per_rank_optim": per_rank,
+                 "config": to_dict(self.cfg),
                  "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "zero")}}
         transform, _ = self.layout.checkpoint_transforms(self.model)
         path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.model, self.optimizer, state,
-                               self.cfg.checkpoint.keep, transform, per_rank_optim=per_rank)
+                               self.cfg.checkpoint.keep, transform)
         self.log.info(f"saved checkpoint {path}")

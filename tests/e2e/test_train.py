@@ -78,13 +78,26 @@ def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     for step in (4, 5, 6):
         assert close(got[step], ref[step], 1e-6), (step, got[step], ref[step])
 
-    # checkpoint from 1 process resumed on 2 processes with experts split over them
+    # checkpoint from 1 process resumed on 2 processes with experts split over them and the
+    # optimizer state scattered into ZeRO-1 slices
     other = tmp_path / "other"
     shutil.copytree(same, other)
     shutil.rmtree(other / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={other}", "train.resume=true", "parallel.dp=2", "parallel.ep=2"],
-          tmp_path, nproc=2)
+    train(common + [f"run.dir={other}", "train.resume=true", "parallel.dp=2", "parallel.ep=2",
+                    "parallel.zero=1"], tmp_path, nproc=2)
     got = losses(other)
+    for step in (4, 5, 6):
+        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+
+    # ZeRO-1 on 2 processes saves name-keyed optimizer state: it resumes on 1 process (zero 0)
+    zero1 = tmp_path / "zero1"
+    train(common + [f"run.dir={zero1}", "parallel.dp=2", "parallel.zero=1"], tmp_path, nproc=2)
+    for step, loss in losses(zero1).items():
+        assert close(loss, ref[step], 1e-4), (step, loss, ref[step])
+    shutil.rmtree(zero1 / "checkpoints" / "step_00000006")
+    train(common + [f"run.dir={zero1}", "train.resume=true"], tmp_path)
+    got = losses(zero1)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):
         assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
 
