@@ -34,15 +34,7 @@ class Layout:
         zero = getattr(state, "zero_state", None)
         if zero is None:
             return
-        refresh = getattr(zero, "refresh_from_params", None)
-        if refresh is not None:
-            refresh()
-            return
-        with torch.no_grad():  # parallel/data.py internals, until it offers refresh_from_params
-            for sl in zero.slices:
-                for p, shard, L in zip(sl.params, sl.shards, sl.L):
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    shard.copy_(sl._full_rows(local.detach(), L)[sl.r])
+        zero.refresh_from_params()
 
     def checkpoint_transforms(self, model):
         """(transform, untransform) for checkpoint.save/load, or (None, None).
