@@ -71,20 +71,27 @@ def _worker(rank, world_size, tmp, pg_timeout_s, fn, args):
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything, incl. KeyboardInterrupt
-        with open(paths["error"], "w") as f:
+        with open(paths["error"] + ".part", "w") as f:
             f.write(traceback.format_exc())
+        os.replace(paths["error"] + ".part", paths["error"])  # readers never see half a file
         # Do not enter the barrier: the others are terminated by the parent.
         os._exit(1)
     open(paths["done"], "w").close()
 
 
 def _first_error(tmp: str, world_size: int) -> tuple[int, str] | None:
+    """(rank, traceback) of the earliest error file: the root cause, since the other ranks
+    fail only afterwards (e.g. gloo 'connection closed' once the failed rank has exited)."""
+    found = []
     for r in range(world_size):
         p = _paths(tmp, r)["error"]
         if os.path.exists(p):
             with open(p) as f:
-                return r, f.read()
-    return None
+                found.append((os.stat(p).st_mtime_ns, r, f.read()))
+    if not found:
+        return None
+    _, rank, tb = min(found)
+    return rank, tb
 
 
 def _stop(procs) -> None:
