@@ -20,15 +20,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe.aux import collect_aux_loss  # noqa: E402
 from models import build_model, init_weights  # noqa: E402
 from models.config import ModelConfig, MoEConfig  # noqa: E402
-from parallel.apply import parallelize, prepare_optimizer  # noqa: E402
-from parallel.data import _local  # noqa: E402
+from parallel.apply import parallelize  # noqa: E402
+from parallel.dtensors import local  # noqa: E402
 from parallel.mesh import build_meshes  # noqa: E402
 from parallel.plan import ParallelPlan  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 
 def _bytes(tensors) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
 
 
 def _measure(rank, world, zero, d_model):
@@ -37,17 +37,13 @@ def _measure(rank, world, zero, d_model):
     model = init_weights(build_model(model_cfg, moe_cfg), 0, torch.device("cpu"))
     psi = sum(p.numel() for p in model.parameters())
     plan = ParallelPlan(zero=zero).validate(world, model_cfg, moe_cfg, 2 * world)
-    model = parallelize(model, plan, build_meshes(plan))
-    opt = prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    par = parallelize(model, plan, build_meshes(plan))
+    opt = par.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     x = torch.randint(0, 512, (2, 32))
     logits = model(x)
     (logits.float().logsumexp(-1).mean() + collect_aux_loss(model)).backward()
     params = _bytes(model.parameters())
-    zs = model.moekit_parallel.zero_state
-    if zs is not None and zs.stage == 2:
-        grads = _bytes(s.grad for sl in zs.slices for s in sl.shards)
-    else:
-        grads = _bytes(p.grad for p in model.parameters())
+    grads = _bytes(par.grads())  # what this rank holds: full grads, ZeRO-2 slices, shards
     opt.step()
     state = _bytes(v for st in opt.state.values() for v in st.values()
                    if torch.is_tensor(v) and v.dim() > 0)

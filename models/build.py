@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from moe import ExpertBank, MoELayer
+from moe.aux import moe_layers
 
 from .config import ModelConfig, MoEConfig
 
@@ -165,11 +166,6 @@ def _owner_layer(model: nn.Module, bank_name: str):
 
 class _NoEP:
     ep_group = None
-
-
-def moe_layers(model: nn.Module) -> list:
-    """[(name, MoELayer)] in module order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
 def count_params(model: nn.Module) -> dict:

@@ -1,4 +1,4 @@
-"""Build a moefied Hugging Face model from the training config (for train.py / moe.profile).
+"""Build a moefied Hugging Face model from the training config (for train.py / trainer.profile).
 
 Shapes: B batch, S source length, T target length, V vocabulary.
 The `[hf]` config section names a family; its size comes from the `[model]` section
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .swap import CONFIG_KEY, load_moefied, moefy
+from moe.swap import CONFIG_KEY, load_moefied, moefy
 
 TASKS = {"gpt2": "gpt", "llama": "gpt", "mistral": "gpt", "qwen2": "gpt", "t5": "switch"}
 

@@ -9,14 +9,14 @@ id (which is also by destination rank, since rank r owns experts [r*L, (r+1)*L))
 exchanges the [P, L] count table, then exactly the routed rows (no padding). Received rows
 arrive ordered (source rank, local expert); they are permuted to (local expert, source
 rank) so each local expert sees one contiguous slice, and permuted back before the return
-exchange. Rank-agnostic otherwise: the only distributed calls are in parallel/all_to_all.py.
+exchange. Rank-agnostic otherwise: the only distributed calls are in moe/all_to_all.py (the one primitive moe/ owns).
 """
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from parallel.all_to_all import CommCounter, all_to_all, exchange_counts
+from .all_to_all import CommCounter, all_to_all, exchange_counts
 
 from .dispatcher import DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, weighted_combine
 from .routing import Routing
@@ -86,7 +86,9 @@ class ExpertParallelDispatcher:
         return weighted_combine(y_AD, meta.local, out_dtype)
 
 
-def _check_group(layer, ep_group) -> tuple:
+def check_shardable(layer, ep_group) -> tuple:
+    """(P, r) of `ep_group` if `layer` can be sharded over it; else a clear error, before any
+    collective (the one check behind MoELayer(ep_group=...) and parallel.apply_expert_parallel)."""
     if ep_group is None:
         raise ValueError("ep_group is None: pass the expert-parallel ProcessGroup "
                          "(or do not call set_ep_group for a one-process layer)")
@@ -117,7 +119,7 @@ def shard_layer_experts(layer, ep_group, counter: CommCounter = None) -> None:
     sliced in place, so build optimizers afterwards. Expert parameters are marked with
     `EXPERT_PARAM_ATTR`. Errors (E % P, wrong group) are raised before any collective.
     """
-    P, r = _check_group(layer, ep_group)
+    P, r = check_shardable(layer, ep_group)
     L = layer.num_experts // P
     for name, p in layer.experts.named_parameters(recurse=False):
         # slice .data so the Parameter objects (and any hooks/attributes) stay the same

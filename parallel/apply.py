@@ -1,34 +1,20 @@
 """parallelize(): apply a ParallelPlan to a single-device model, in the fixed order
-pipeline split -> tensor parallel -> expert parallel -> recomputation -> compile -> ZeRO/DP.
+pipeline split -> tensor parallel -> expert parallel -> precision -> recomputation -> compile
+-> ZeRO/DP, and return the Parallelized handle the training loop uses (parallelized.py):
 
-The model is changed in place and a ParallelState is attached as `model.moekit_parallel`, so
-the few calls a training loop needs take only the model (and its optimizer):
-
-    plan = ParallelPlan(...).validate(world, model_cfg, moe_cfg, batch_size)
+    plan = ParallelPlan(...).validate(world, model_cfg, moe_cfg, batch_size, seq_len)
     meshes = build_meshes(plan)                  # None for a single process
-    model = parallelize(model, plan, meshes)
-    optimizer = prepare_optimizer(model, AdamW(...))   # ZeRO-1/2 slice it; else unchanged
-    loss.backward()                                    # gradients reduced at its end
-    clip_grad_norm_(model, 1.0); optimizer.step()      # parallel.grads.clip_grad_norm_
-"""
-from dataclasses import dataclass, field
+    par = parallelize(model, plan, meshes)
+    optimizer = par.prepare_optimizer(AdamW(par.model.parameters()))
 
+Three objects describe a layout: ParallelPlan (the degrees, pure arithmetic), Meshes (the
+process groups) and Parallelized (what was applied to this model).
+"""
 import torch.nn as nn
 
-from moe import MoELayer
-
-from .data import GradSync, ZeroState, apply_fsdp, param_kinds, reduction_groups, shard_optimizer
+from .grad_sync import GradSync, param_kinds, reduction_buckets
+from .parallelized import Parallelized
 from .plan import ParallelPlan
-
-
-@dataclass
-class ParallelState:
-    plan: ParallelPlan
-    meshes: object = None             # mesh.Meshes, or None for one process
-    kinds: dict = field(default_factory=dict)   # id(param) -> dense | pool | expert
-    grad_sync: GradSync = None        # zero 0/1/2 gradient reduction
-    zero_state: ZeroState = None      # zero 1/2 slices
-    pipeline: object = None           # pipeline.PipelineRunner when pp > 1
 
 
 def _blocks(model) -> list:
@@ -37,8 +23,9 @@ def _blocks(model) -> list:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=None,
-                init_fn=None) -> nn.Module:
-    """Apply `plan` (already validated) to `model`; `meshes` from build_meshes (None: 1 process).
+                init_fn=None) -> Parallelized:
+    """Apply `plan` (already validated) to `model` in place; `meshes` from build_meshes
+    (None: one process). Returns the Parallelized handle (its .model is `model`).
 
     init_fn(model), if given, materialises and initialises a meta-device model at the point
     where it is cheapest and still safe: after the pipeline split and the tensor/expert
@@ -46,24 +33,23 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     registered on the parameter objects (zero 0/1/2), or after FSDP2 sharding (zero 3).
 
     loss_fn(logits, targets) is needed only for pipeline parallelism (the last stage computes
-    the loss). Returns the model (the same object unless pipelining wraps it).
+    the loss).
     """
     if plan.dp < 1:
         raise ValueError("parallelize needs a validated plan (dp resolved): call plan.validate(world) first")
     if meshes is None and plan.world > 1:
         raise ValueError(f"plan uses {plan.world} ranks but meshes=None; pass build_meshes(plan)")
-    state = ParallelState(plan, meshes)
+    par = Parallelized(model, plan, meshes)
+    tied = _tied_embedding(model, meshes)  # decided before the split prunes either end
     if plan.pp > 1:
         from .pipeline import split_pipeline
-        state.pipeline = split_pipeline(model, plan, meshes, loss_fn)
+        par.pipeline = split_pipeline(model, plan, meshes, loss_fn)
     if plan.tp > 1:
         from .tensor import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)
     if plan.ep > 1:
-        ep_group = meshes.group("ep")
-        for m in model.modules():
-            if isinstance(m, MoELayer):
-                m.set_ep_group(ep_group)
+        from .expert import apply_expert_parallel
+        apply_expert_parallel(model, meshes.group("ep"))
     if plan.precision != "fp32":
         from .precision import apply_precision
         apply_precision(model, plan.precision)
@@ -76,41 +62,43 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if init_fn is not None and plan.zero != 3:
         init_fn(model)
     if meshes is not None:
-        _apply_data_parallel(model, state)
+        _apply_data_parallel(model, par)
     if init_fn is not None and plan.zero == 3:
         init_fn(model)
-    state.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
-    model.moekit_parallel = state
-    return model
+    par.tied = tied(model) if tied is not None else None
+    if par.tied is not None and init_fn is not None:
+        par.tied.broadcast_from_first()
+    if par.zero is not None:
+        par.zero.refresh_from_params()  # slices taken before init / the tie broadcast
+    par.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
+    return par
 
 
-def _apply_data_parallel(model, state) -> None:
-    plan = state.plan
+def _tied_embedding(model, meshes):
+    """A factory for the TiedEmbedding of a tied model (called after the split), or None.
+    Creating the stage-pair groups is collective, so every rank does it here, in order."""
+    from .pipeline import TiedEmbedding, is_tied
+    if not is_tied(model):
+        return None
+    from .mesh import stage_pair_group
+    group = stage_pair_group(meshes) if meshes is not None else None
+
+    def make(m):
+        holds = m.tok_emb is not None or m.lm_head is not None
+        return TiedEmbedding(m, group) if holds else None
+    return make
+
+
+def _apply_data_parallel(model, par) -> None:
+    plan, meshes = par.plan, par.meshes
     if plan.zero == 3:
-        roots = state.pipeline.chunks if state.pipeline is not None else None
-        apply_fsdp(model, state.meshes, _blocks(model), roots)
+        from .fsdp import apply_fsdp
+        roots = par.pipeline.chunks if par.pipeline is not None else None
+        apply_fsdp(model, meshes, _blocks(model), roots)
         return
-    buckets = reduction_groups(model, state.meshes)
+    buckets = reduction_buckets(model, meshes, param_kinds(model))
     if plan.zero in (1, 2):
-        state.zero_state = ZeroState(buckets, plan.zero)
-    hook = state.zero_state.after_backward if plan.zero == 2 else None
-    state.grad_sync = GradSync(buckets, hook)
-
-
-def prepare_optimizer(model, optimizer):
-    """The optimizer to train with: for zero 1/2 a same-class optimizer over this rank's slices."""
-    state = getattr(model, "moekit_parallel", None)
-    if state is None or state.zero_state is None:
-        return optimizer
-    return shard_optimizer(optimizer, state.zero_state)
-
-
-def set_requires_gradient_sync(model, flag: bool) -> None:
-    """False during gradient-accumulation microsteps (no communication), True for the last."""
-    state = getattr(model, "moekit_parallel", None)
-    if state is None:
-        return
-    if state.grad_sync is not None:
-        state.grad_sync.enabled = flag
-    if state.plan.zero == 3:
-        model.set_requires_gradient_sync(flag)
+        from .zero import ZeroState
+        par.zero = ZeroState(buckets, plan.zero)
+    hook = par.zero.after_backward if plan.zero == 2 else None
+    par.grad_sync = GradSync(buckets, hook)

@@ -3,72 +3,56 @@
 A rank's gradient tensor for a parameter may be a full copy (dp replicas), a tp piece, an
 expert-parallel piece, a ZeRO-2 slice or an FSDP2 shard. Within one pipeline stage the
 dp*tp ranks hold `replicas = dp*tp / pieces` copies of each element, so the world-wide sum
-of (local squared norm / replicas) is the squared norm of the whole model's gradient.
+of (local squared norm / replicas) is the squared norm of the whole model's gradient. A
+weight held by two pipeline stages (tied embeddings) is counted on the first one only.
 """
-import math
-
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-from .data import _local
+from .dtensors import local, shard_pieces
 
 
-def _dtensor_pieces(t) -> int:
-    if not isinstance(t, DTensor):
-        return 1
-    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if isinstance(pl, (Shard, _StridedShard)))
+def held_grad(p, zero):
+    """The gradient this rank holds for parameter p: its ZeRO-2 slice's, or p.grad (may be None)."""
+    if zero is not None and zero.stage == 2 and id(p) in zero.shard_of:
+        return zero.shard_of[id(p)].grad
+    return p.grad
 
 
-def _grad_items(model, state):
-    """(local grad tensor, replicas) for every gradient this rank holds."""
-    plan = state.plan
+def weighted_grads(model, plan, kinds: dict, zero, counted_elsewhere=frozenset()):
+    """[(local grad, weight)]: weight = 1/replicas of each element among the ranks of a stage
+    (0 for a copy whose norm another stage counts)."""
     pool = plan.dp * plan.tp
-    zero = state.zero_state
+    out = []
     for p in model.parameters():
-        kind = state.kinds.get(id(p), "dense")
-        expert_pieces = plan.ep if kind == "expert" else 1
-        if zero is not None and zero.stage == 2 and id(p) in zero.shard_of:
-            g = zero.shard_of[id(p)].grad
+        g = held_grad(p, zero)
+        if g is None:
+            continue
+        kind = kinds.get(id(p), "dense")
+        pieces = (plan.ep if kind == "expert" else 1) * shard_pieces(g)
+        if g is not p.grad:  # a ZeRO-2 slice of the (tp/ep-local) parameter
             slices = {"dense": plan.dp, "pool": pool, "expert": plan.edp}[kind]
-            pieces = expert_pieces * slices * _dtensor_pieces(p)
-        else:
-            g = p.grad
-            pieces = expert_pieces * _dtensor_pieces(g if g is not None else p)
-        if g is not None:
-            yield g, max(pool // pieces, 1)
+            pieces = (plan.ep if kind == "expert" else 1) * slices * shard_pieces(p)
+        weight = 0.0 if id(p) in counted_elsewhere else 1.0 / max(pool // pieces, 1)
+        out.append((local(g), weight))
+    return out
 
 
-def grad_norm(model) -> torch.Tensor:
-    """The global L2 norm of all gradients (same value on every rank), as an fp32 scalar."""
-    state = getattr(model, "moekit_parallel", None)
-    items = list(_grad_items(model, state)) if state is not None else \
-        [(p.grad, 1) for p in model.parameters() if p.grad is not None]
-    p0 = next(model.parameters())
-    total = torch.zeros((), dtype=torch.float32, device=_local(p0).device)
-    for g, replicas in items:
-        total += _local(g).float().pow(2).sum() / replicas
-    if state is not None and dist.is_initialized() and dist.get_world_size() > 1:
+def grad_norm(items: list, device, distributed: bool) -> torch.Tensor:
+    """The global L2 norm (same value on every rank) of weighted_grads items, fp32 scalar."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g, weight in items:
+        if weight:
+            total += g.float().pow(2).sum() * weight
+    if distributed:
         dist.all_reduce(total)
     return total.sqrt()
 
 
-def _all_grads(model):
-    state = getattr(model, "moekit_parallel", None)
-    zero = state.zero_state if state is not None else None
-    for p in model.parameters():
-        g = zero.shard_of[id(p)].grad if zero is not None and zero.stage == 2 and id(p) in zero.shard_of else p.grad
-        if g is not None:
-            yield _local(g)
-
-
-def clip_grad_norm_(model, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-    """Scale all gradients so their global norm is at most max_norm; returns the norm before."""
+def clip_(items: list, norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> None:
+    """Scale every gradient so the global norm `norm` becomes at most max_norm."""
     if max_norm <= 0:
         raise ValueError(f"max_norm={max_norm} must be > 0 (train.grad_clip); use a positive value")
-    norm = grad_norm(model)
     scale = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for g in _all_grads(model):
+    for g, _ in items:
         g.mul_(scale.to(g.device, g.dtype))
-    return norm

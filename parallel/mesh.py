@@ -8,6 +8,7 @@ P ranks = pp * dp * tp. Three views of the same ranks, each a DeviceMesh with na
 Rank r sits at dense[r // (dp*tp), (r // tp) % dp, r % tp]; the pool index is r % (dp*tp) and
 the expert coordinates are (pool // ep, pool % ep), so with ep == tp the ep group is the tp group.
 Every mesh creation is a collective: all ranks must call build_meshes with the same plan.
+`rank_groups(plan)` is the same layout as pure arithmetic (no process group needed).
 """
 from dataclasses import dataclass
 
@@ -65,3 +66,37 @@ def build_meshes(plan: ParallelPlan, device_type: str | None = None) -> Meshes:
     pool = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.dp * plan.tp),
                       mesh_dim_names=("pp", "pool"))
     return Meshes(plan, dense, expert, pool)
+
+
+def rank_groups(plan: ParallelPlan) -> dict:
+    """{dim: [rank list of every group along it]} for pp, dp, tp, edp, ep and pool, computed
+    without communication: exactly the groups build_meshes creates for this plan."""
+    ranks = torch.arange(plan.world)
+    views = {("pp", "dp", "tp"): ranks.reshape(plan.pp, plan.dp, plan.tp),
+             ("pp", "edp", "ep"): ranks.reshape(plan.pp, plan.edp, plan.ep),
+             ("pp", "pool"): ranks.reshape(plan.pp, plan.dp * plan.tp)}
+    out = {}
+    for names, grid in views.items():
+        for d, name in enumerate(names):
+            if name in out:
+                continue
+            moved = grid.movedim(d, -1)
+            out[name] = moved.reshape(-1, moved.shape[-1]).tolist()
+    return out
+
+
+def stage_pair_group(meshes: Meshes):
+    """Collective (every rank calls it): the group of this rank's first- and last-stage peers
+    (same dp and tp coordinates), for a weight both ends of the pipeline hold; None when
+    pp == 1 or this rank is in neither end stage."""
+    plan, grid = meshes.plan, meshes.dense.mesh
+    if plan.pp == 1:
+        return None
+    mine = None
+    for d in range(plan.dp):
+        for t in range(plan.tp):
+            pair = [int(grid[0, d, t]), int(grid[-1, d, t])]
+            group = dist.new_group(pair)  # new_group is collective: all pairs, same order
+            if dist.get_rank() in pair:
+                mine = group
+    return mine

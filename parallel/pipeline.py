@@ -12,6 +12,11 @@ than one stage per rank, each stage runs through a shallow "shell" of the model 
 its submodules. Every stage's MoE aux losses reach backward: each MoE layer's output is
 wrapped so its backward also starts the aux loss's backward (moe.aux.inject_aux_loss),
 because only the last stage sees the task loss.
+
+Tied embeddings (Megatron's scheme): the first stage holds the token embedding, the last the
+output head, both the same [V, D] matrix. TiedEmbedding makes them start identical (a
+broadcast from the first stage after init), sums their gradients over the two holders
+before the optimizer step, counts the norm once, and names the weight once in checkpoints.
 """
 import copy
 
@@ -21,6 +26,8 @@ import torch.nn as nn
 
 from moe import MoELayer
 from moe.aux import inject_aux_loss
+
+from .dtensors import local
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -57,9 +64,6 @@ def split_pipeline(model, plan, meshes, loss_fn):
     """Prune `model` to this pp rank's stages; return a PipelineRunner (schedule built lazily)."""
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
-    if model.lm_head is not None and model.tok_emb is not None and model.lm_head.weight is model.tok_emb.weight:
-        raise ValueError("model.tie_embeddings=true cannot be split across pipeline stages (first "
-                         "and last stage would share a weight); set model.tie_embeddings=false")
     n_layers, n = len(model.blocks), plan.num_stages
     stages = _stage_ids(plan, meshes.pp_rank)
     per_stage = {s: _layers_of(s, n_layers, n) for s in stages}
@@ -82,7 +86,7 @@ class PipelineRunner:
     x (token ids) is used on the first stage, y (targets) on the last; every pp rank gets the
     same returned loss: mean task loss over microbatches plus every MoE layer's aux loss
     averaged over microbatches (what one process reports for the whole batch).
-    Gradients are left reduced over dp/edp/pool and divided by the microbatch count.
+    Gradients are left unreduced over dp/edp/pool, divided by the microbatch count.
     `runner.stage_aux_loss()` is this rank's part of that aux loss (before the pp sum);
     `runner.evaluate(x, y)` is the forward-only mean task loss, on every pp rank.
     """
@@ -102,8 +106,7 @@ class PipelineRunner:
 
     def _build(self):
         from torch.distributed import pipelining
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        device = local(next(self.model.parameters())).device
         group = self.meshes.group("pp")
         stages = [pipelining.PipelineStage(c, s, self.plan.num_stages, device, group=group)
                   for c, s in zip(self.chunks, self.stage_ids)]
@@ -112,19 +115,14 @@ class PipelineRunner:
         return cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
 
     def step(self, x_BS, y_BS):
+        """Forward + backward of every microbatch; gradients are left unreduced (the caller,
+        Parallelized.pipeline_step, reduces them once)."""
         if self.schedule is None:
             self.schedule = self._build()
         self._aux.clear()
-        state = getattr(self.model, "moekit_parallel", None)
-        grad_sync = state.grad_sync if state is not None else None
-        if grad_sync is not None:  # one reduction after all microbatches, not one per backward
-            grad_sync.enabled = False
         losses = []
         first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids
         self.schedule.step(*((x_BS,) if first else ()), target=y_BS if last else None, losses=losses)
-        if grad_sync is not None:
-            grad_sync.enabled = True
-            grad_sync.sync()
         return self._total_loss(losses, last)
 
     def _total_loss(self, losses, last):
@@ -162,3 +160,71 @@ class PipelineRunner:
         task = task.reshape(1).to(x_BS.device)
         dist.all_reduce(task, group=self.meshes.group("pp"))
         return task[0]
+
+
+class TiedEmbedding:
+    """The token-embedding weight that the output head shares (model.tie_embeddings).
+
+    `group` holds the first and the last pipeline rank with the same (dp, tp) coordinates
+    (None without pipeline parallelism: one module pair on one rank, nothing to sync).
+    """
+    CANONICAL, ALIAS = "tok_emb.weight", "lm_head.weight"
+
+    def __init__(self, model, group=None):
+        self.model, self.group = model, group
+        self.first, self.last = model.tok_emb is not None, model.lm_head is not None
+
+    @property
+    def param(self):  # looked up each time: FSDP2 replaces parameter objects
+        return self.model.tok_emb.weight if self.first else self.model.lm_head.weight
+
+    def broadcast_from_first(self) -> None:
+        """Collective over the group: the last stage's copy := the first stage's (after init)."""
+        if self.group is not None:
+            src = dist.get_global_rank(self.group, 0)
+            with torch.no_grad():
+                dist.broadcast(local(self.param).data, src=src, group=self.group)
+
+    def sum_grads(self, grad) -> None:
+        """Collective over the group: both holders get the sum of their gradients (in
+        whatever form this rank holds it: full, ZeRO-2 slice or FSDP2 shard, the same on both)."""
+        if self.group is not None:
+            dist.all_reduce(local(grad), group=self.group)
+
+    def counted_elsewhere(self) -> frozenset:
+        """The last stage's copy is not counted in the gradient norm (the first stage's is)."""
+        return frozenset({id(self.param)}) if self.last and not self.first else frozenset()
+
+    def checkpoint_transforms(self):
+        """Save the weight once, as tok_emb.weight, whichever stage holds it; load it back
+        into every holder."""
+        canon, alias = self.CANONICAL, self.ALIAS
+        rename = self.last and not self.first   # the last stage holds it as lm_head.weight
+
+        def names(sd, old, new):
+            return {new if k == old else k: v for k, v in sd.items()}
+
+        def optim(optim_sd, old, new):
+            groups = [{**g, "params": [new if n == old else n for n in g["params"]]}
+                      for g in optim_sd.get("param_groups", [])]
+            return {**optim_sd, "state": names(optim_sd["state"], old, new), "param_groups": groups}
+
+        def transform(model_sd, optim_sd):
+            if rename:
+                return names(model_sd, alias, canon), optim(optim_sd, alias, canon)
+            return {k: v for k, v in model_sd.items() if k != alias}, optim_sd
+
+        def untransform(model_sd, optim_sd):
+            if rename:
+                return names(model_sd, canon, alias), optim(optim_sd, canon, alias)
+            if self.last:  # one rank holds both modules: the head reads the same tensor
+                model_sd = {**model_sd, alias: model_sd[canon]}
+            return model_sd, optim_sd
+
+        return transform, untransform
+
+
+def is_tied(model) -> bool:
+    """True when the model's output head uses its token-embedding matrix."""
+    emb, head = getattr(model, "tok_emb", None), getattr(model, "lm_head", None)
+    return emb is not None and head is not None and head.weight is emb.weight

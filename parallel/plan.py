@@ -85,6 +85,10 @@ def _check_choices(p: ParallelPlan) -> None:
         raise _err(f"parallel.zero={p.zero!r} must be 0, 1, 2 or 3")
     if not isinstance(p.compile, bool):
         raise _err(f"parallel.compile={p.compile!r} must be true or false")
+    if p.precision == "fp16" and isinstance(p.pp, int) and p.pp > 1:
+        raise _err(f"parallel.precision='fp16' is not supported with parallel.pp={p.pp} (the loss "
+                   f"scale would have to reach every stage's aux losses); use precision='bf16', "
+                   f"which needs no loss scaling")
 
 
 def _check_degrees(p: ParallelPlan) -> None:
@@ -146,10 +150,6 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"model.n_layers={n_layers} is not divisible by the {p.num_stages} pipeline stages "
                    f"(parallel.pp={p.pp} x {p.stages_per_rank} per rank); change parallel.pp or "
                    f"parallel.pp_stages_per_rank")
-    if p.pp > 1 and getattr(m, "tie_embeddings", False):
-        raise _err("model.tie_embeddings=true cannot be split across pipeline stages (parallel.pp="
-                   f"{p.pp}): the first and last stage would share a weight; set "
-                   "model.tie_embeddings=false or parallel.pp=1")
     if _has_moe(moe_cfg) and moe_cfg.num_experts % p.ep:
         raise _err(f"moe.num_experts={moe_cfg.num_experts} is not divisible by parallel.ep={p.ep}; "
                    f"pick an ep that divides it")

@@ -14,8 +14,6 @@ import torch.distributed as dist
 
 from moe import Router
 
-from .grads import _all_grads
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -51,11 +49,16 @@ def apply_precision(model, precision: str) -> None:
 
 
 class DynamicLossScaler:
-    """fp16 loss scaling: `scaler.scale(loss).backward(); stepped = scaler.step(model, opt)`.
+    """fp16 loss scaling over whatever gradients a rank holds (full, slices, shards):
 
-    step() unscales all gradients this rank holds (any layout: see parallel.grads), agrees
-    with every rank whether one is not finite, and either steps the optimizer or skips it;
-    `skipped` counts skipped steps so a trainer can log them.
+        scaler.scale(loss).backward()
+        overflow = scaler.unscale_(par.grads())    # every rank gets the same answer
+        ... clip, then optimizer.step() unless overflow ...
+        scaler.update(overflow)
+
+    or `stepped = scaler.step(par.grads(), optimizer)` for both. An overflow halves the scale
+    (not below min_scale) and the step is skipped; `growth_interval` clean steps in a row
+    double it. `skipped` counts skipped steps.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -67,33 +70,34 @@ class DynamicLossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_value
 
-    def unscale_(self, model) -> bool:
-        """Divide gradients by the scale; True if any rank found inf/nan."""
-        found = torch.zeros(())
-        for g in _all_grads(model):
+    def unscale_(self, grads: list) -> bool:
+        """Divide the gradients by the scale; True if any rank found inf/nan."""
+        found = torch.zeros((), device=grads[0].device if grads else "cpu")
+        for g in grads:
             g.div_(self.scale_value)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float().cpu())
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-            found = found.to(dev)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item())
 
-    def step(self, model, optimizer, unscaled_overflow=None) -> bool:
-        """Unscale (unless done), step if finite, update the scale; returns whether it stepped."""
-        overflow = self.unscale_(model) if unscaled_overflow is None else unscaled_overflow
+    def update(self, overflow: bool) -> None:
         if overflow:
             self.skipped += 1
             self.good_steps = 0
             self.scale_value = max(self.scale_value * self.backoff_factor, self.min_scale)
-            optimizer.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-            return False
-        optimizer.step()
+            return
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale_value *= self.growth_factor
-        return True
+
+    def step(self, grads: list, optimizer) -> bool:
+        """Unscale, step the optimizer if every gradient is finite, update the scale;
+        returns whether it stepped."""
+        overflow = self.unscale_(grads)
+        if not overflow:
+            optimizer.step()
+        self.update(overflow)
+        return not overflow
 
     def state_dict(self) -> dict:
         return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped": self.skipped}

@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from moe import DenseFFN, MoELayer
 
+from .dtensors import local
+
 
 class _SeqToBatch(torch.autograd.Function):
     """[B, s, D] (sequence shard) -> [b, S, D] (batch shard) by one all-to-all; backward inverts."""
@@ -92,13 +94,9 @@ def _tp_mean(x, group):
     return x / P + (total - x.detach()) / P
 
 
-def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def _moe_hooks(layer: MoELayer, group) -> None:
     def pre(_mod, args):
-        return (_SeqToBatch.apply(_local(args[0]), group),) + tuple(args[1:])
+        return (_SeqToBatch.apply(local(args[0]), group),) + tuple(args[1:])
 
     def post(mod, _args, out):
         mod.aux_loss = _tp_mean(mod.aux_loss, group)
@@ -137,7 +135,7 @@ def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
 
 def _split_after_embedding(model, group) -> None:
     def pre(_mod, args):
-        return (_SplitSeq.apply(_local(args[0]), group),) + tuple(args[1:])
+        return (_SplitSeq.apply(local(args[0]), group),) + tuple(args[1:])
     model.drop.register_forward_pre_hook(pre)
 
 

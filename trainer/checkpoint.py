@@ -4,8 +4,6 @@ Layout of run.dir/checkpoints/step_00000100/:
   DCP files       model and optimizer state (sharded tensors are resharded on load)
   trainer.json    step, scheduler, sampler position, resolved config, world size
   rng_rank<r>.pt  each rank's RNG states (restored only when the world size is unchanged)
-  optim_rank<r>.pt  only in checkpoints from before ZeRO-1/2 state was saved portably
-                  (private per-rank slices; they resume only under the same layout)
   COMPLETE        written last, before the rename
 
 A save goes to checkpoints/.tmp-step_.../ and is renamed into place only when every rank
@@ -78,11 +76,6 @@ def structural_diff(saved_cfg: dict, cfg: dict) -> list:
     return diffs
 
 
-def _zero_state(model):
-    """The ZeRO-1/2 slice bookkeeping parallelize() attached to the model, or None."""
-    return getattr(getattr(model, "moekit_parallel", None), "zero_state", None)
-
-
 def _param_name(name: str) -> str:
     return name.replace("_orig_mod.", "")  # as get_state_dict names a compiled module's params
 
@@ -125,8 +118,10 @@ def _set_zero_optim_state(model, optimizer, zero, optim_sd) -> None:
         g.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _model_optim_state(model, optimizer, transform, for_load: bool = False):
-    zero = _zero_state(model)
+def _model_optim_state(par, optimizer, for_load: bool = False):
+    """{"model", "optim"} state dicts in the layout-free form (parallel.Parallelized
+    .checkpoint_transforms: expert slices as DTensors, a tied weight under one name)."""
+    model, zero = par.model, par.zero
     if zero is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
     else:
@@ -138,8 +133,8 @@ def _model_optim_state(model, optimizer, transform, for_load: bool = False):
         if missing:
             raise RuntimeError(f"ZeRO optimizer state names {missing[:3]} are not model state "
                                f"names; checkpoint._param_name must map them")
-    if transform is not None:
-        model_sd, optim_sd = transform(model_sd, optim_sd)
+    transform, _ = par.checkpoint_transforms()
+    model_sd, optim_sd = transform(model_sd, optim_sd)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -150,10 +145,8 @@ def _rng_state() -> dict:
     return state
 
 
-def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: int,
-         transform=None) -> Path:
-    """Collective: every rank calls it. `transform(model_sd, optim_sd)` may wrap local
-    shards (e.g. expert-parallel slices) as DTensors so DCP can reshard them later."""
+def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int) -> Path:
+    """Collective: every rank calls it with its parallel.Parallelized `par` and optimizer."""
     final = step_dir(run_dir, step)
     if final.is_dir() and (final / "COMPLETE").is_file():
         return final  # this exact step is already saved (e.g. resumed at the last step)
@@ -163,7 +156,7 @@ def save(ctx, run_dir, step: int, model, optimizer, trainer_state: dict, keep: i
         tmp.mkdir(parents=True)
     barrier(ctx)
     with _quiet_single_process(ctx):
-        dcp.save(_model_optim_state(model, optimizer, transform), checkpoint_id=str(tmp))
+        dcp.save(_model_optim_state(par, optimizer), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     if ctx.is_main:
         state = dict(trainer_state, step=step, world_size=ctx.world_size)
@@ -204,43 +197,53 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def load(ctx, path, model, optimizer, transform=None, untransform=None) -> dict:
+def load(ctx, path, par, optimizer) -> dict:
     """Collective: load model/optimizer in place (resharding as needed); returns trainer.json.
-
-    `transform` must be the one used at save time; `untransform(model_sd, optim_sd)` copies
-    loaded values back into the local tensors if `transform` made copies. Under ZeRO-1/2 the
-    optimizer slices and the master slices are refreshed from what was loaded.
-    """
+    Under ZeRO-1/2 the optimizer slices and the master slices are refreshed from what was
+    loaded."""
     path = Path(path)
-    if (path / f"optim_rank{ctx.rank}.pt").is_file():
-        _load_legacy_per_rank(ctx, path, model, optimizer)
+    if not _has_optimizer_state(path):  # saved before the first optimizer step (e.g. fp16 skips)
+        load_model_weights(path, par)
         return _restore_rng(ctx, path)
-    state = _model_optim_state(model, optimizer, transform, for_load=True)
+    state = _model_optim_state(par, optimizer, for_load=True)
     with _quiet_single_process(ctx):
         dcp.load(state, checkpoint_id=str(path))
-    model_sd, optim_sd = state["model"], state["optim"]
-    if untransform is not None:
-        model_sd, optim_sd = untransform(model_sd, optim_sd)
-    zero = _zero_state(model)
-    if zero is None:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _, untransform = par.checkpoint_transforms()
+    model_sd, optim_sd = untransform(state["model"], state["optim"])
+    if par.zero is None:
+        set_state_dict(par.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     else:
-        set_model_state_dict(model, model_sd)
-        _set_zero_optim_state(model, optimizer, zero, optim_sd)
-        zero.refresh_from_params()
+        set_model_state_dict(par.model, model_sd)
+        _set_zero_optim_state(par.model, optimizer, par.zero, optim_sd)
+        par.zero.refresh_from_params()
     return _restore_rng(ctx, path)
 
 
-def _load_legacy_per_rank(ctx, path, model, optimizer) -> None:
-    """A checkpoint from before portable ZeRO-1/2 state (run_dir checks the layout is the same)."""
-    state = {"model": get_model_state_dict(model)}
-    with _quiet_single_process(ctx):
+def _has_optimizer_state(path: Path) -> bool:
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(k.startswith("optim.state.") for k in meta.state_dict_metadata)
+
+
+def load_model_weights(path, par) -> Path:
+    """Model weights only (no optimizer, no RNG), from a run dir (its latest complete
+    checkpoint) or a checkpoint dir, into `par.model` (one process or any layout)."""
+    path = Path(path)
+    if checkpoint_root(path).is_dir():
+        found = latest(path)
+        if found is None:
+            raise ValueError(f"{checkpoint_root(path)} holds no complete checkpoint")
+        path = found
+    if not (path / "COMPLETE").is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker); pass a run "
+                         f"dir or a checkpoints/step_XXXXXXXX dir")
+    transform, untransform = par.checkpoint_transforms()
+    no_optim = {"state": {}, "param_groups": []}
+    state = {"model": transform(get_model_state_dict(par.model), no_optim)[0]}
+    with warnings.catch_warnings():  # DCP notes it assumes one process: intended here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
-    optimizer.load_state_dict(torch.load(path / f"optim_rank{ctx.rank}.pt", weights_only=False))
-    zero = _zero_state(model)
-    if zero is not None:
-        zero.refresh_from_params()
+    set_model_state_dict(par.model, untransform(state["model"], no_optim)[0])
+    return path
 
 
 def _restore_rng(ctx, path) -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.config import ModelConfig, MoEConfig
-from moe.hf_build import HFConfig
+from models.hf_build import HFConfig
 from parallel.plan import ParallelPlan
 
 from .sections import CHOICES, CheckpointConfig, DataConfig, LogConfig, RunConfig, TrainConfig
@@ -46,7 +46,7 @@ SECTION_DOCS = {
     "data": "corpus, tokenizer and sequence length",
     "log": "metrics.jsonl, TensorBoard, progress display",
     "checkpoint": "torch.distributed.checkpoint saves in run.dir/checkpoints",
-    "hf": "train a Hugging Face model family with MoE FFNs instead of model.arch (moe/hf_build.py)",
+    "hf": "train a Hugging Face model family with MoE FFNs instead of model.arch (models/hf_build.py)",
 }
 
 
@@ -221,6 +221,7 @@ def _check_own(cfg: Config) -> None:
     _require(t.lr > 0, f"train.lr={t.lr} must be > 0")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
     _require(t.eval_every >= 0 and t.eval_batches >= 1,
              "train.eval_every must be >= 0 and train.eval_batches >= 1")
@@ -244,7 +245,7 @@ def _check_batching(cfg: Config, plan) -> None:
         _require(cfg.log.profile_every == 0 or cfg.moe.every == 0,
                  f"log.profile_every={cfg.log.profile_every} is not supported with parallel.pp={plan.pp} "
                  f"(a stage does not hold the whole model): set log.profile_every=0 and profile a "
-                 f"checkpoint with `python -m moe.profile --checkpoint`")
+                 f"checkpoint with `python -m trainer.profile --checkpoint`")
         _require(mb == 0, f"train.micro_batch_size={mb} cannot be combined with parallel.pp={plan.pp}: "
                           f"the pipeline splits batches itself; set parallel.microbatches instead")
     elif mb:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.mesh import default_device_type
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -36,7 +38,7 @@ def env_rank() -> int:
 def choose_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("run.device='cuda' but CUDA is not available; use run.device='auto' or 'cpu'")
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+    if kind == "cuda" or (kind == "auto" and default_device_type() == "cuda"):
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "
                              f"device(s); start at most that many processes per node")

@@ -4,7 +4,9 @@ Shapes: B sequences, S sequence length, E experts.
 Per optimizer step every data-parallel rank takes its rows of the global batch, runs them in
 micro-batches (gradient accumulation), adds every MoE layer's aux loss to the task loss,
 reduces gradients, clips the global norm, steps AdamW and the schedule, and optionally moves
-the routers' aux-loss-free selection bias with the all-reduced expert load.
+the routers' aux-loss-free selection bias with the all-reduced expert load. Everything
+layout-specific goes through the parallel.Parallelized handle `par` (parallel/parallelized.py).
+Under fp16 a DynamicLossScaler scales the loss and skips steps whose gradients overflow.
 """
 import time
 from pathlib import Path
@@ -16,15 +18,17 @@ import models
 from data.prepare import prepared_dir
 from data.sampler import BatchSampler, eval_indices, open_split
 from moe.aux import collect_aux_loss
-from moe.hf_build import TASKS as HF_TASKS
-from moe.stats import RoutingStats, merge_stats
+from moe.stats import merge_stats
+from parallel.apply import parallelize
+from parallel.mesh import build_meshes
+from parallel.precision import DynamicLossScaler
 
 from . import checkpoint
 from .config import ConfigError, to_dict, to_toml, validate
 from .distributed import barrier, init_distributed, shutdown
 from .metrics import MetricsLogger
+from .model import build_model, init_fn, task_arch
 from .optim import WarmupCosine, build_optimizer
-from .parallelism import build_layout
 from .run_dir import clear_run, plan_start
 from .tasks import Task, sentinels_needed, token_loss
 
@@ -73,7 +77,7 @@ def _run(cfg, ctx) -> int:
     resume_from = plan_start(cfg, ctx.world_size)
     run_dir = Path(cfg.run.dir)
     data_dir = _prepare_data(cfg, ctx)
-    arch = HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
+    arch = task_arch(cfg)
     _check_vocab(cfg, data_dir, arch)
     barrier(ctx)  # every rank has checked the run dir before rank 0 changes it
     if ctx.is_main:
@@ -84,62 +88,48 @@ def _run(cfg, ctx) -> int:
     val_file = open_split(data_dir, "val", cfg.data.seq_len)
 
     torch.manual_seed(cfg.train.seed)
-    model = _build_model(cfg, ctx)
-    # Our models are built on the meta device; parallelize materialises and initialises them
-    # after the pipeline split and tensor/expert sharding (and after FSDP2 under ZeRO-3), so
-    # a rank never holds the whole model. Init is seeded per global tensor, so every layout
-    # starts from the same weights. HF models arrive initialised (moe.hf_build).
-    init_fn = None
-    if not cfg.hf.family:
-        def init_fn(m):
-            models.init_weights(m, cfg.train.seed, ctx.device)
-    layout = build_layout(ctx, plan, model, loss_fn=token_loss, init_fn=init_fn)
-    optimizer = layout.prepare_optimizer(model, build_optimizer(model, cfg.train))
+    meshes = build_meshes(plan, ctx.device.type) if ctx.distributed else None
+    # built on meta, materialised by parallelize after the split/sharding: no rank ever
+    # holds the whole model
+    par = parallelize(build_model(cfg, ctx.device), plan, meshes, loss_fn=token_loss,
+                      init_fn=init_fn(cfg, ctx.device))
+    optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)
+    scaler = DynamicLossScaler(init_scale=cfg.train.loss_scale_init) \
+        if plan.precision == "fp16" else None
     sampler = BatchSampler(train_file.num_sequences, cfg.train.batch_size, cfg.train.seed,
-                           layout.dp_rank, layout.dp_size)
+                           par.dp_rank, par.dp_size)
     start = 0
     if resume_from is not None:
         try:
-            transform, untransform = layout.checkpoint_transforms(model)
-            info = checkpoint.load(ctx, resume_from, model, optimizer, transform, untransform)
-            sampler.load_state_dict(info["sampler"])
-            layout.after_load(model)
+            info = checkpoint.load(ctx, resume_from, par, optimizer)
         except (RuntimeError, ValueError) as e:
             raise ConfigError(f"cannot resume from {resume_from}: {e}") from None
+        sampler.load_state_dict(info["sampler"])
         sched.load_state_dict(info["scheduler"])
+        if scaler is not None and "loss_scaler" in info:
+            scaler.load_state_dict(info["loss_scaler"])
         start = info["step"]
     if ctx.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
     try:
-        _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from)
-        state = _State(cfg, ctx, layout, model, optimizer, sched, sampler, train_file, val_file, log)
-        state.task = Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device)
+        _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
+        trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
+                          (train_file, val_file), log,
+                          Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device))
         for step in range(start + 1, cfg.train.steps + 1):
-            state.step(step)
+            trainer.step(step)
     finally:
         log.close()
     return 0
 
 
-def _build_model(cfg, ctx):
-    """Our models on the meta device (initialised after parallelize), or a
-    Hugging Face family with MoE FFNs when hf.family is set (built initialised)."""
-    if cfg.hf.family:
-        from moe.hf_build import build_hf_model
-        if (cfg.parallel.tp, cfg.parallel.pp) != (1, 1):
-            raise ConfigError("hf.family models support data/expert parallelism and ZeRO only; "
-                              "set parallel.tp=1 and parallel.pp=1")
-        return build_hf_model(cfg.hf, cfg.model, cfg.moe, seed=cfg.train.seed, device=ctx.device)
-    return models.build_model(cfg.model, cfg.moe, device="meta")
-
-
 def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> None:
     counts = models.count_params(model)
     log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout dp={plan.dp} "
-             f"tp={plan.tp} pp={plan.pp} ep={plan.ep} zero={plan.zero}")
+             f"tp={plan.tp} pp={plan.pp} ep={plan.ep} zero={plan.zero} precision={plan.precision}")
     log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
              f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
              f"{len(models.moe_layers(model))} MoE layer(s)")
@@ -149,35 +139,44 @@ def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> 
         log.info(f"resumed from {resume_from}")
 
 
-class _State:
+class Trainer:
     """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
 
-    def __init__(self, cfg, ctx, layout, model, optimizer, sched, sampler, train_file, val_file, log):
-        self.cfg, self.ctx, self.layout, self.model = cfg, ctx, layout, model
-        self.optimizer, self.sched, self.sampler = optimizer, sched, sampler
-        self.train_file, self.val_file, self.log = train_file, val_file, log
-        self.moe = models.moe_layers(model)
-        self.task = None
+    def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task):
+        self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
+        self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
+        (self.train_file, self.val_file), self.log, self.task = files, log, task
+        self.moe = models.moe_layers(par.model)
 
     def step(self, n: int) -> None:
         t0 = time.perf_counter()
-        loss, aux, stats = self._forward_backward()
-        grad_norm = self.layout.clip_grad_norm(self.model, self.cfg.train.grad_clip)
+        scale = self.scaler.scale_value if self.scaler is not None else 1.0
+        loss, aux, stats = self._forward_backward(scale)
+        skipped = self.scaler is not None and self.scaler.unscale_(self.par.grads())
+        grad_norm = None if skipped else float(self.par.clip_grad_norm_(self.cfg.train.grad_clip))
         lr = self.sched.get_last_lr()
-        self.optimizer.step()
-        self.sched.step()
-        self._update_bias()
-        loss, aux = self.layout.mean_over_data(torch.stack([loss, aux])).tolist()
+        if not skipped:  # an fp16 overflow leaves weights, optimizer state and schedule alone
+            self.optimizer.step()
+            self.sched.step()
+            self._update_bias()
+        loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
         dt = time.perf_counter() - t0
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
         rec = {"step": n, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tokens / dt, "step_time_s": dt}
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+            rec.update(loss_scale=scale, skipped=skipped)
+            if skipped:
+                self.log.info(f"step {n}: fp16 gradient overflow, step skipped; loss scale "
+                              f"{scale:g} -> {self.scaler.scale_value:g}")
         if self._due(n, self.cfg.train.eval_every):
             rec["val_loss"] = self.evaluate()
         self.log.log_step(rec)
         # a collective: decided from the config, not from this rank's (pipeline stage's) layers
         if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
-            self.log.log_moe(n, self._gather_stats(stats))
+            self.log.log_moe(n, self.par.sum_routing_stats(
+                {name: merge_stats(s) for name, s in stats.items() if s}))
         if self._due(n, self.cfg.log.profile_every, at_end=False) and self.cfg.moe.every > 0:
             from .profiling import profile_at_step
             profile_at_step(self, n)
@@ -187,37 +186,35 @@ class _State:
     def _due(self, n: int, every: int, at_end: bool = True) -> bool:
         return (every > 0 and n % every == 0) or (at_end and n == self.cfg.train.steps)
 
-    def _forward_backward(self):
+    def _forward_backward(self, scale: float):
+        """(mean task loss, mean aux loss, {layer: [RoutingStats]}) of this rank's share."""
         self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
         idx = self.sampler.next_indices()
         batch = self.task.prepare(self.train_file.batch(idx), idx)
-        runner = getattr(getattr(self.model, "moekit_parallel", None), "pipeline", None)
-        if runner is not None:
-            return self._pipeline_step(runner, batch)
+        if self.par.pipeline is not None:
+            return self._pipeline_step(batch)
         mb = self.cfg.train.micro_batch_size or len(idx)
         micro = self.task.split(batch, len(idx) // mb)
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = aux_sum = torch.zeros((), device=self.ctx.device)
         stats = {name: [] for name, _ in self.moe}
         for i, part in enumerate(micro):
-            self.layout.set_grad_sync(self.model, i == len(micro) - 1)
+            self.par.set_grad_sync(i == len(micro) - 1)
             loss = self.task.loss(self.model, part)
             aux = collect_aux_loss(self.model).to(loss.device)
-            ((loss + aux) / len(micro)).backward()
+            ((loss + aux) * (scale / len(micro))).backward()
             loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + aux.detach()
             for name, layer in self.moe:
                 if layer.last_stats is not None:
                     stats[name].append(layer.last_stats)
-        self.layout.sync_grads(self.model)
         return loss_sum / len(micro), aux_sum / len(micro), stats
 
-    def _pipeline_step(self, runner, batch_BS1):
+    def _pipeline_step(self, batch_BS1):
         """parallel.pp > 1: the schedule runs the micro-batches (forward and backward)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        total = runner.step(batch_BS1[:, :-1], batch_BS1[:, 1:])
+        total = self.par.pipeline_step(batch_BS1[:, :-1], batch_BS1[:, 1:])
         # the runner returns task + aux; split off the aux part, summed over the stages
-        aux = runner.stage_aux_loss().float().reshape(1).to(total.device)
-        dist.all_reduce(aux, group=runner.meshes.group("pp"))
+        aux = self.par.pipeline.stage_aux_loss().float().reshape(1).to(total.device)
+        dist.all_reduce(aux, group=self.par.meshes.group("pp"))
         stats = {name: [layer.last_stats] for name, layer in self.moe if layer.last_stats is not None}
         return total.detach() - aux[0], aux[0], stats
 
@@ -226,54 +223,37 @@ class _State:
         if rate <= 0:
             return
         for _, layer in self.moe:
-            load_E = self.layout.sum_load(layer.router.pending_load)
-            layer.router.update_selection_bias(rate, load_E)
+            layer.router.update_selection_bias(rate, self.par.sum_load(layer.router.pending_load))
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        par, runner = self.par, self.par.pipeline
         count = self.cfg.train.eval_batches * self.cfg.train.batch_size
-        idx = eval_indices(self.val_file.num_sequences, count, self.layout.dp_rank, self.layout.dp_size)
-        runner = getattr(getattr(self.model, "moekit_parallel", None), "pipeline", None)
-        per_rank = self.cfg.train.batch_size // self.layout.dp_size
+        idx = eval_indices(self.val_file.num_sequences, count, par.dp_rank, par.dp_size)
+        per_rank = self.cfg.train.batch_size // par.dp_size
         # a pipeline splits each chunk into its fixed microbatch count: use the training shape
         mb = per_rank if runner is not None else self.cfg.train.micro_batch_size or per_rank
         total = torch.zeros((), device=self.ctx.device)
         if runner is not None and len(idx) >= mb:  # (a short validation split: whole chunks only)
             idx = idx[:len(idx) - len(idx) % mb]
-        chunks = [idx[i:i + mb] for i in range(0, len(idx), mb)]
-        for chunk in chunks:
+        for chunk in [idx[i:i + mb] for i in range(0, len(idx), mb)]:
             batch = self.task.prepare(self.val_file.batch(chunk), chunk)
             if runner is not None:  # every pp rank gets the last stage's loss
                 loss = runner.evaluate(batch[:, :-1], batch[:, 1:]).to(total.device)
             else:
                 loss = self.task.loss(self.model, batch)
             total += loss * len(chunk)
-        mean = total / len(idx)
         self.model.train()
-        return float(self.layout.mean_over_data(mean.reshape(1))[0])
-
-    def _gather_stats(self, stats: dict) -> dict:
-        """Per-layer routing counts summed over every rank (each token is routed on one rank)."""
-        local = {name: merge_stats(s) for name, s in stats.items() if s}
-        if not self.ctx.distributed:
-            return local
-        mine = {k: (v.routed_E.cpu(), v.kept_E.cpu(), v.num_tokens, v.top_k, float(v.entropy))
-                for k, v in local.items()}
-        every = [None] * self.ctx.world_size
-        dist.all_gather_object(every, mine)
-        merged = {}
-        for part in every:
-            for k, (routed, kept, n, top_k, ent) in part.items():
-                merged.setdefault(k, []).append(RoutingStats(routed, kept, n, top_k, torch.tensor(ent)))
-        return {k: merge_stats(v) for k, v in merged.items()}
+        return float(par.mean_over_dp((total / len(idx)).reshape(1))[0])
 
     def save(self, n: int) -> None:
-        plan = self.layout.plan
+        plan = self.par.plan
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
                  "config": to_dict(self.cfg),
                  "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "zero")}}
-        transform, _ = self.layout.checkpoint_transforms(self.model)
-        path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.model, self.optimizer, state,
-                               self.cfg.checkpoint.keep, transform)
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer, state,
+                               self.cfg.checkpoint.keep)
         self.log.info(f"saved checkpoint {path}")

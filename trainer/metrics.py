@@ -65,7 +65,8 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def log_step(self, record: dict) -> None:
-        """record: step, loss, aux_loss, lr, grad_norm, tokens_per_s (+ val_loss, ...)."""
+        """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s
+        (+ val_loss; under fp16 loss_scale and skipped, ...)."""
         if not self.enabled:
             return
         self.jsonl.write(json.dumps(record) + "\n")
@@ -90,8 +91,10 @@ class MetricsLogger:
             done = r["step"] - self.start_step
             eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - r["step"])
             val = f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else ""
+            norm = "skipped" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
+            scale = f" scale {r['loss_scale']:g}" if "loss_scale" in r else ""
             print(f"step {r['step']}/{self.total} loss {r['loss']:.4f} aux {r['aux_loss']:.4f} "
-                  f"lr {r['lr']:.2e} grad_norm {r['grad_norm']:.3f} "
+                  f"lr {r['lr']:.2e} grad_norm {norm}{scale} "
                   f"tok/s {r['tokens_per_s']:.0f}{val} eta {_fmt_eta(eta)}", flush=True)
 
     def log_moe(self, step: int, layer_stats: dict) -> None:

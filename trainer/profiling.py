@@ -23,7 +23,7 @@ def model_inputs(task_arch: str, batch):
 
 @torch.no_grad()
 def profile_at_step(trainer, step: int) -> dict:
-    cfg, layout = trainer.cfg, trainer.layout
+    cfg, layout = trainer.cfg, trainer.par
     bs = cfg.train.batch_size // layout.dp_size
     count = cfg.log.profile_batches * cfg.train.batch_size
     idx = eval_indices(trainer.val_file.num_sequences, count, layout.dp_rank, layout.dp_size)

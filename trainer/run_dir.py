@@ -37,26 +37,10 @@ def plan_start(cfg, world_size: int):
         raise ConfigError(f"the checkpoint {last} was made with a different model, so it cannot be "
                           f"resumed with this config:\n  " + "\n  ".join(diffs) +
                           "\nuse the same model/moe settings, or another run.dir")
-    if saved.get("per_rank_optim"):  # only checkpoints written before ZeRO state was portable
-        _require_same_layout(saved, cfg, world_size, last)
     if saved["step"] > cfg.train.steps:
         raise ConfigError(f"the checkpoint {last} is at step {saved['step']}, beyond "
                           f"train.steps={cfg.train.steps}; raise train.steps")
     return last
-
-
-def _require_same_layout(saved: dict, cfg, world_size: int, last) -> None:
-    """An older checkpoint whose ZeRO-1/2 optimizer state is per-rank flat slices only fits the
-    layout it came from (checkpoints written now hold name-keyed state any layout can load)."""
-    keys = ("dp", "tp", "pp", "ep", "zero")
-    old = {k: saved.get("layout", {}).get(k) for k in keys}
-    new = {k: getattr(cfg.parallel, k) for k in keys}
-    new["dp"] = saved.get("layout", {}).get("dp") if new["dp"] == -1 and world_size == saved.get("world_size") else new["dp"]
-    if old != new or saved.get("world_size") != world_size:
-        raise ConfigError(f"the checkpoint {last} holds ZeRO-1/2 optimizer slices saved with layout "
-                          f"{old} on {saved.get('world_size')} process(es) by an older version; resume it "
-                          f"with that layout (later checkpoints of the run are portable), got "
-                          f"{new} on {world_size}")
 
 
 def clear_run(run_dir: Path) -> None:

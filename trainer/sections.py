@@ -34,6 +34,7 @@ class TrainConfig:
     eval_every: int = _f(50, "evaluate the validation loss every N steps (and at the end); 0 = never")
     eval_batches: int = _f(4, "validation batches (of train.batch_size sequences) per evaluation")
     resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir")
+    loss_scale_init: float = _f(65536.0, "parallel.precision=fp16 only: initial loss scale; halved (and the step skipped) on a gradient overflow, doubled after 1000 clean steps")
 
 
 @dataclass

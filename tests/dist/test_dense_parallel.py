@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.apply import parallelize, prepare_optimizer
-from parallel.grads import clip_grad_norm_
+from parallel.apply import parallelize
 from parallel.mesh import build_meshes
 from parallel.plan import ParallelPlan
 from tests.dist import dense_common as dc
@@ -27,20 +26,20 @@ ATOL, RTOL = 2e-5, 1e-4
 def _train(world, spec, model_cfg, moe_cfg):
     plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, dc.B)
     meshes = build_meshes(plan)
-    model = dc.make_model(model_cfg, moe_cfg)
-    model = parallelize(model, plan, meshes, loss_fn=dc.task_loss)
-    opt = prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=dc.LR, weight_decay=0.1))
+    par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=dc.task_loss)
+    model = par.model
+    opt = par.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=dc.LR, weight_decay=0.1))
     dp_rank, n = meshes.rank("dp"), dc.B // plan.dp
     out = []
     for step in range(dc.STEPS):
         x, y = dc.batch(step, model_cfg.vocab_size)
         x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
         if plan.pp > 1:
-            loss = model.moekit_parallel.pipeline.step(x, y)
+            loss = par.pipeline_step(x, y)
         else:
             loss = dc.task_loss(model(x), y) + collect_aux_loss(model)
             loss.backward()
-        norm = clip_grad_norm_(model, dc.CLIP)
+        norm = par.clip_grad_norm_(dc.CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.detach().clone()
@@ -72,7 +71,7 @@ def _run_and_check(world, layouts, timeout):
                 assert abs(g - rg) <= ATOL + RTOL * abs(rg), f"{name} step {step}: grad norm {g} vs {rg}"
 
 
-TIED, UNTIED = {}, {"tie": False}  # pipeline stages cannot share the tied embedding
+TIED, UNTIED = {}, {"tie": False}  # tied: first and last pipeline stage share the embedding
 W2 = [("dp2", dict(dp=2), TIED),
       ("zero1_dp2", dict(dp=2, zero=1), TIED),
       ("zero2_dp2", dict(dp=2, zero=2), TIED),
@@ -84,7 +83,8 @@ W2 = [("dp2", dict(dp=2), TIED),
       ("tp2", dict(tp=2), TIED),
       ("ep2_tp2", dict(tp=2, ep=2), TIED),           # experts over the tp pair (ep | dp*tp)
       ("pp2_1f1b", dict(pp=2, microbatches=2), UNTIED),
-      ("pp2_gpipe", dict(pp=2, microbatches=2, pp_schedule="gpipe"), UNTIED)]
+      ("pp2_gpipe", dict(pp=2, microbatches=2, pp_schedule="gpipe"), UNTIED),
+      ("pp2_1f1b_tied", dict(pp=2, microbatches=2), TIED)]
 
 W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("ep2_tp2_zero3_dp2", dict(tp=2, ep=2, zero=3), TIED),
@@ -92,9 +92,12 @@ W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("tp2_zero1_dp2", dict(tp=2, zero=1), TIED),
       ("ep2_pp2_dp2", dict(pp=2, ep=2, microbatches=2), UNTIED),
       ("pp2_zero3_dp2", dict(pp=2, zero=3, microbatches=2), UNTIED),
-      ("pp2_interleaved_tp2", dict(pp=2, tp=2, microbatches=2, pp_schedule="interleaved_1f1b"), UNTIED)]
+      ("pp2_interleaved_tp2", dict(pp=2, tp=2, microbatches=2, pp_schedule="interleaved_1f1b"), UNTIED),
+      ("ep2_pp2_dp2_zero2_tied", dict(pp=2, ep=2, zero=2, microbatches=2), TIED),
+      ("pp2_zero3_dp2_tied", dict(pp=2, zero=3, microbatches=2), TIED)]
 
-W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), UNTIED)]
+W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), UNTIED),
+      ("dp2_tp2_pp2_ep2_zero1_tied", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), TIED)]
 
 
 def test_world2_data_zero_expert_tensor_pipeline():

@@ -19,10 +19,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moe import MoELayer
-from parallel.all_to_all import all_to_all
-from parallel.expert import (ExpertGroups, all_reduce_load, apply_expert_parallel,
-                             build_expert_groups, clip_grad_norm_, comm_counters,
-                             is_expert_param, reduce_gradients)
+from moe.all_to_all import all_to_all
+from parallel.apply import parallelize
+from parallel.expert import apply_expert_parallel, comm_counters, is_expert_param
+from parallel.mesh import build_meshes
+from parallel.plan import ParallelPlan
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -46,7 +47,7 @@ def _err(a, b) -> float:
 
 
 # ----------------------------------------------------------------------------- layer checks
-def _layer_case(rank, P, groups, E, k, cf, act, force, bias, rows, router="token_choice",
+def _layer_case(rank, P, meshes, E, k, cf, act, force, bias, rows, router="token_choice",
                 dtype=torch.float32):
     name = f"P={P} E={E} k={k} cf={cf} {act} force={force} bias={bias} {router} {dtype}"
     tol = 1 if dtype == torch.float32 else BF16_TOL
@@ -63,7 +64,7 @@ def _layer_case(rank, P, groups, E, k, cf, act, force, bias, rows, router="token
     x_all = torch.randn(P * B, S, D, device=dev).to(dtype)
     g_all = torch.randn(P * B, S, D, device=dev).to(dtype)
     ep = copy.deepcopy(ref)
-    apply_expert_parallel(ep, groups.ep_group)
+    par = parallelize(ep, meshes.plan, meshes)  # pure EP: dp = ep = P
 
     x_ref = x_all.clone().requires_grad_()
     y_ref = ref(x_ref)
@@ -72,8 +73,7 @@ def _layer_case(rank, P, groups, E, k, cf, act, force, bias, rows, router="token
     sl = slice(rank * B, (rank + 1) * B)
     x = x_all[sl].clone().requires_grad_()
     y = ep(x)
-    ((y * g_all[sl]).sum() + ep.aux_loss).backward()
-    reduce_gradients(ep, groups.dp_group, groups.expert_dp_group)
+    ((y * g_all[sl]).sum() + ep.aux_loss).backward()  # gradients reduced at its end
 
     L = E // P
     rows.append((name, "output", _err(y, y_ref[sl]), tol))
@@ -91,7 +91,7 @@ def _layer_case(rank, P, groups, E, k, cf, act, force, bias, rows, router="token
             continue
         rows.append((name, f"{n} shape", float(p.shape[0] != L), 0))
         rows.append((name, f"{n} grad", _err(p.grad, p_ref.grad[rank * L:(rank + 1) * L]), tol))
-    stats = all_reduce_load(ep.last_stats, groups.dp_group)
+    stats = par.sum_routing_stats({"layer": ep.last_stats})["layer"]
     rows.append((name, "global routed_E", float((stats.routed_E != ref.last_stats.routed_E).sum()), 0))
     rows.append((name, "global kept_E", float((stats.kept_E != ref.last_stats.kept_E).sum()), 0))
     rows.append((name, "global entropy", abs(float(stats.entropy - ref.last_stats.entropy)), 1e-6))
@@ -140,7 +140,7 @@ def _train(model, step_fn, steps=5):
     return out
 
 
-def _train_case(rank, P, groups, dp, ep, E, k, cf, rows):
+def _train_case(rank, P, meshes, dp, ep, E, k, cf, rows):
     name = f"train P={P} dp={dp} ep={ep} E={E} k={k} cf={cf}"
     dev = _device()
     torch.manual_seed(7)
@@ -160,19 +160,16 @@ def _train_case(rank, P, groups, dp, ep, E, k, cf, rows):
         sl = slice(rank * B, (rank + 1) * B)
         loss = nn.functional.mse_loss(m(x[sl]), t[sl]) + m.moe.aux_loss
         loss.backward()
-        reduce_gradients(m, groups.dp_group, groups.expert_dp_group)
-        norm = clip_grad_norm_(m, max_norm, groups)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, group=groups.dp_group)
-        return float(global_loss) / dp, float(norm)
+        norm = par.clip_grad_norm_(max_norm)
+        return float(par.mean_over_dp(loss)), float(norm)
 
-    apply_expert_parallel(model, groups.ep_group)
+    par = parallelize(model, meshes.plan, meshes)
     ref_out, ep_out = _train(ref, ref_step), _train(model, ep_step)
     for step, ((l_ref, n_ref), (l_ep, n_ep)) in enumerate(zip(ref_out, ep_out)):
         rows.append((name, f"step {step} loss rel err", abs(l_ep - l_ref) / abs(l_ref), 1e-5))
         rows.append((name, f"step {step} grad norm rel err", abs(n_ep - n_ref) / n_ref, 1e-5))
         rows.append((name, f"step {step} clipped", float(n_ref <= max_norm), 0))
-    L, r = E // ep, dist.get_rank(groups.ep_group)
+    L, r = E // ep, meshes.rank("ep")
     w_err = (model.moe.experts.w1 - ref.moe.experts.w1[r * L:(r + 1) * L]).detach().abs().max()
     rows.append((name, "final expert w1 max abs err", float(w_err), 1e-4))
     rows.append((name, "final router max abs err",
@@ -199,8 +196,8 @@ def _error_cases(rank, P, rows):
     _expect_error(rows, "apply E % P", lambda: apply_expert_parallel(model, dist.group.WORLD),
                   ValueError, ["num_experts", "ep"])
     rows.append(("error: apply E % P", "weights untouched", float(not torch.equal(full, model.moe.experts.w1)), 0))
-    _expect_error(rows, "ep does not divide dp", lambda: build_expert_groups(P, P, P + 1),
-                  ValueError, ["ep=", "dp="])
+    _expect_error(rows, "ep does not divide dp*tp", lambda: ParallelPlan(dp=P, ep=P + 1).validate(P),
+                  ValueError, ["parallel.ep=", "dp*tp"])
     only_rank0 = dist.new_group([0])
     if rank != 0:
         _expect_error(rows, "not a member", lambda: MoELayer(D, F, 2 * P, 1, ep_group=only_rank0),
@@ -217,16 +214,20 @@ def _error_cases(rank, P, rows):
 def _worker(rank, P, layouts, layer_cases):
     torch.manual_seed(0)
     rows = []
-    pure_ep = build_expert_groups(P, P, P)
+    meshes = {}  # one set of groups per layout (creating groups is collective and costly)
+
+    def meshes_for(dp, ep):
+        if (dp, ep) not in meshes:
+            meshes[dp, ep] = build_meshes(ParallelPlan(dp=dp, ep=ep).validate(P))
+        return meshes[dp, ep]
     for E, k, cf, act, force, bias, *extra in layer_cases:
-        _layer_case(rank, P, pure_ep, E, k, cf, act, force, bias, rows, *extra)
+        _layer_case(rank, P, meshes_for(P, P), E, k, cf, act, force, bias, rows, *extra)
     for dp, ep, E, k, cf in layouts:
-        groups = pure_ep if ep == P else build_expert_groups(P, dp, ep)
-        _train_case(rank, P, groups, dp, ep, E, k, cf, rows)
+        _train_case(rank, P, meshes_for(dp, ep), dp, ep, E, k, cf, rows)
     _error_cases(rank, P, rows)
     # marks and names agree on every parameter of an expert-parallel model
     m = TinyMoENet(2 * P, 1, None)
-    apply_expert_parallel(m, pure_ep.ep_group)
+    apply_expert_parallel(m, meshes_for(P, P).group("ep"))
     bad = [n for n, p in m.named_parameters() if is_expert_param(n) != is_expert_param(p)]
     rows.append(("is_expert_param", f"name/mark disagree on {bad}", float(len(bad)), 0))
     return rows

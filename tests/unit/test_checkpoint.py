@@ -11,6 +11,8 @@ from trainer.config import ConfigError, load_config, to_dict
 from trainer.distributed import DistContext
 from trainer.optim import build_optimizer
 from trainer.run_dir import plan_start
+from parallel.apply import parallelize
+from parallel.plan import ParallelPlan
 
 CTX = DistContext(0, 1, 0, torch.device("cpu"), "")
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
@@ -20,7 +22,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=6
 def _setup(tmp_path, extra=()):
     cfg = load_config(None, TINY + [f"run.dir={tmp_path / 'run'}", *extra])
     model = models.init_weights(models.build_model(cfg.model, cfg.moe), seed=0, device="cpu")
-    return cfg, model, build_optimizer(model, cfg.train)
+    return cfg, parallelize(model, ParallelPlan().validate(1)), build_optimizer(model, cfg.train)
 
 
 def _train_steps(model, opt, n, seed=0):
@@ -43,17 +45,19 @@ def _params(model):
 
 
 def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
-    cfg, model, opt = _setup(tmp_path)
+    cfg, par, opt = _setup(tmp_path)
+    model = par.model
     _train_steps(model, opt, 2)
     torch.manual_seed(123)
-    path = checkpoint.save(CTX, cfg.run.dir, 2, model, opt, _state(2, cfg), keep=2)
+    path = checkpoint.save(CTX, cfg.run.dir, 2, par, opt, _state(2, cfg), keep=2)
     after_save = torch.rand(3)
     want = _params(model)
     _train_steps(model, opt, 2, seed=1)
     ref_next = _params(model)
 
-    cfg2, model2, opt2 = _setup(tmp_path)
-    info = checkpoint.load(CTX, path, model2, opt2)
+    cfg2, par2, opt2 = _setup(tmp_path)
+    model2 = par2.model
+    info = checkpoint.load(CTX, path, par2, opt2)
     assert info["step"] == 2 and info["sampler"]["position"] == 8
     assert torch.equal(torch.rand(3), after_save)  # RNG restored
     for k, v in model2.state_dict().items():
@@ -64,8 +68,9 @@ def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
 
 
 def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
-    cfg, model, opt = _setup(tmp_path)
-    checkpoint.save(CTX, cfg.run.dir, 1, model, opt, _state(1, cfg), keep=1)
+    cfg, par, opt = _setup(tmp_path)
+    model = par.model
+    checkpoint.save(CTX, cfg.run.dir, 1, par, opt, _state(1, cfg), keep=1)
     good = _params(model)
     _train_steps(model, opt, 1)
 
@@ -73,13 +78,14 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
         raise RuntimeError("simulated crash while writing")
     monkeypatch.setattr(checkpoint, "_rng_state", crash)  # dies after the DCP files are written
     with pytest.raises(RuntimeError, match="simulated"):
-        checkpoint.save(CTX, cfg.run.dir, 2, model, opt, _state(2, cfg), keep=1)
+        checkpoint.save(CTX, cfg.run.dir, 2, par, opt, _state(2, cfg), keep=1)
     monkeypatch.undo()
     root = checkpoint.checkpoint_root(cfg.run.dir)
     assert (root / ".tmp-step_00000002").is_dir()  # the half-written one is there ...
     assert [s for s, _ in checkpoint.list_complete(cfg.run.dir)] == [1]  # ... but never taken
-    _, model2, opt2 = _setup(tmp_path)
-    checkpoint.load(CTX, checkpoint.latest(cfg.run.dir), model2, opt2)
+    _, par2, opt2 = _setup(tmp_path)
+    model2 = par2.model
+    checkpoint.load(CTX, checkpoint.latest(cfg.run.dir), par2, opt2)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, good[k]), k
     # a directory without COMPLETE (e.g. copied half-way) is ignored as well
@@ -87,15 +93,16 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
     (root / "step_00000009" / "trainer.json").write_text("{}")
     assert checkpoint.latest(cfg.run.dir).name == "step_00000001"
     # the next successful save removes the stale temp dir and prunes to `keep`
-    checkpoint.save(CTX, cfg.run.dir, 3, model, opt, _state(3, cfg), keep=1)
+    checkpoint.save(CTX, cfg.run.dir, 3, par, opt, _state(3, cfg), keep=1)
     assert [s for s, _ in checkpoint.list_complete(cfg.run.dir)] == [3]
     assert not (root / ".tmp-step_00000002").exists()  # stale temp dirs are cleaned up
 
 
 def test_run_dir_rules(tmp_path):
-    cfg, model, opt = _setup(tmp_path)
+    cfg, par, opt = _setup(tmp_path)
+    model = par.model
     assert plan_start(cfg, 1) is None  # empty dir: fresh start
-    checkpoint.save(CTX, cfg.run.dir, 4, model, opt, _state(4, cfg), keep=2)
+    checkpoint.save(CTX, cfg.run.dir, 4, par, opt, _state(4, cfg), keep=2)
     with pytest.raises(ConfigError, match="train.resume=true.*run.overwrite=true"):
         plan_start(cfg, 1)
     resumed = load_config(None, TINY + [f"run.dir={cfg.run.dir}", "train.resume=true",

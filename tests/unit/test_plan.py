@@ -66,13 +66,19 @@ def test_bad_plans_name_the_field(kwargs, world, pattern):
     (dict(ep=4), 4, dict(), dict(num_experts=6), r"moe\.num_experts=6 .* parallel\.ep=4"),
     (dict(ep=2), 2, dict(), dict(every=0), r"parallel\.ep=2 needs MoE layers"),
     (dict(tp=2), 2, dict(arch="switch"), dict(), r"model\.arch='gpt' only"),
-    (dict(pp=2), 2, dict(tie_embeddings=True), dict(), r"set model\.tie_embeddings=false"),
 ])
 def test_model_divisibility_errors(kwargs, world, model_kw, moe_kw, pattern):
     model = ModelConfig(**{**MODEL.__dict__, **model_kw})
     moe = MoEConfig(**{"num_experts": 8, "top_k": 2, "every": 2, **moe_kw})
     with pytest.raises(ValueError, match=pattern):
         ParallelPlan(**kwargs).validate(world, model, moe)
+
+
+def test_fp16_refused_with_pipeline_and_tied_embeddings_accepted():
+    with pytest.raises(ValueError, match=r"parallel\.precision='fp16' .* parallel\.pp=2.*bf16"):
+        ParallelPlan(pp=2, precision="fp16").validate(2)
+    tied = ModelConfig(**{**MODEL.__dict__, "tie_embeddings": True})
+    assert ParallelPlan(pp=2).validate(2, tied, MOE).pp == 2  # stages share it (TiedEmbedding)
 
 
 def test_model_checks_pass_for_a_full_layout():

@@ -19,7 +19,7 @@ def _train(precision="fp32", recompute="none", steps=5, scaler=None, overflow_at
     model_cfg, moe_cfg = dc.configs()
     model = dc.make_model(model_cfg, moe_cfg)
     plan = ParallelPlan(precision=precision, recompute=recompute).validate(1)
-    model = parallelize(model, plan)
+    par = parallelize(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=dc.LR)
     losses, stepped = [], []
     for step in range(steps):
@@ -32,7 +32,7 @@ def _train(precision="fp32", recompute="none", steps=5, scaler=None, overflow_at
             scaled = scaler.scale(loss) * (float("inf") if step == overflow_at else 1.0)
             scaled.backward()
             before = [p.detach().clone() for p in model.parameters()]
-            ok = scaler.step(model, opt)
+            ok = scaler.step(par.grads(), opt)
             stepped.append(ok)
             if not ok:  # a skipped step leaves the weights alone
                 assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -124,7 +124,7 @@ def test_hf_encoder_decoder_streams_and_errors():
 
 def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
     # the [hf] section + train.py config -> model -> validation batches -> files; a small corpus
-    from moe.profile_cli import build_model, load_checkpoint_weights, load_run_config, main
+    from trainer.profile import build_initialised, load_run_config, main
     cfg_file = tmp_path / "hf.toml"
     cfg_file.write_text(
         '[hf]\nfamily = "gpt2"\n[model]\nvocab_size = 256\nd_model = 32\nn_layers = 2\n'
@@ -145,16 +145,18 @@ def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
     # checkpoint weights: saved by the trainer's checkpoint code, loaded into a fresh model
     from trainer import checkpoint
     from trainer.distributed import DistContext
-    cfg, hf = load_run_config(str(cfg_file))
-    trained, _ = build_model(cfg, hf, torch.device("cpu"))
+    cfg = load_run_config(str(cfg_file))
+    par, _ = build_initialised(cfg, torch.device("cpu"))
+    trained = par.model
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01)
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "")
-    checkpoint.save(ctx, tmp_path / "run", 3, trained, opt, {}, keep=1)
-    fresh, _ = build_model(cfg, hf, torch.device("cpu"))
+    checkpoint.save(ctx, tmp_path / "run", 3, par, opt, {}, keep=1)
+    fresh_par, _ = build_initialised(cfg, torch.device("cpu"))
+    fresh = fresh_par.model
     assert not torch.equal(fresh.hf.lm_head.weight, trained.hf.lm_head.weight)
-    load_checkpoint_weights(fresh, tmp_path / "run")
+    checkpoint.load_model_weights(tmp_path / "run", fresh_par)
     for (name, a), b in zip(trained.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name

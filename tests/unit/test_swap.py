@@ -181,7 +181,7 @@ def test_errors_name_the_problem():
 
 def test_build_hf_model_from_config_and_pretrained(tmp_path):
     from models.config import ModelConfig, MoEConfig
-    from moe.hf_build import HFConfig, build_hf_model
+    from models.hf_build import HFConfig, build_hf_model
     m = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=2, d_ff=F, max_seq_len=32)
     moe_cfg = MoEConfig(num_experts=4, top_k=2, every=1, capacity_factor=None)
     t5 = build_hf_model(HFConfig(family="t5"), m, moe_cfg, seed=3)

@@ -1,0 +1,153 @@
+"""Parallelized: what parallelize() did to a model, and every call a training loop needs.
+
+The loop holds this object explicitly (nothing is stashed on the model):
+
+    par = parallelize(model, plan, meshes, loss_fn=..., init_fn=...)
+    optimizer = par.prepare_optimizer(AdamW(par.model.parameters()))   # ZeRO-1/2 slice it
+    par.set_grad_sync(last_microbatch)             # accumulation: reduce in the last backward
+    loss.backward()                                # or: loss = par.pipeline_step(x, y)
+    norm = par.clip_grad_norm_(1.0); optimizer.step()
+
+Gradient path (one for every layout): dense grads over dp, routers/shared experts over the
+dp*tp token pool, experts over their expert-data-parallel copies (grad_sync.py / zero.py /
+FSDP2), then a weight tied across pipeline stages summed over its two holders.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .dtensors import local
+from .grad_sync import GradSync
+from .grads import clip_, grad_norm, held_grad, weighted_grads
+from .plan import ParallelPlan
+from .reduce import all_reduce_flat, sum_routing_stats
+
+
+@dataclass
+class Parallelized:
+    model: torch.nn.Module
+    plan: ParallelPlan
+    meshes: object = None        # mesh.Meshes, or None for one process
+    kinds: dict = None           # id(param) -> dense | pool | expert
+    grad_sync: GradSync = None   # zero 0/1/2 gradient reduction (None: one process or zero 3)
+    zero: object = None          # zero.ZeroState for zero 1/2
+    pipeline: object = None      # pipeline.PipelineRunner when pp > 1
+    tied: object = None          # pipeline.TiedEmbedding when a weight spans two stages
+
+    # ------------------------------------------------------------ data layout
+    @property
+    def dp_rank(self) -> int:
+        return self.meshes.rank("dp") if self.meshes is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp
+
+    def _group(self, name: str):
+        return self.meshes.group(name) if self.meshes is not None else None
+
+    # ------------------------------------------------------------ gradients
+    def prepare_optimizer(self, optimizer):
+        """The optimizer to train with: for zero 1/2 a same-class optimizer over this rank's
+        slices (it all-gathers the updated slices after each step); else `optimizer`."""
+        if self.zero is None:
+            return optimizer
+        from .zero import shard_optimizer
+        return shard_optimizer(optimizer, self.zero)
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """False during gradient-accumulation microsteps (no communication), True for the last."""
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = enabled
+        if self.plan.zero == 3 and self.meshes is not None:
+            self.model.set_requires_gradient_sync(enabled)
+
+    def pipeline_step(self, x_BS, y_BS) -> torch.Tensor:
+        """pp > 1: forward+backward of all microbatches by the schedule, then one gradient
+        reduction; returns the loss (task + aux, what one process reports) on every rank."""
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = False  # one reduction after all microbatches
+        try:
+            loss = self.pipeline.step(x_BS, y_BS)
+        finally:
+            if self.grad_sync is not None:
+                self.grad_sync.enabled = True
+        if self.grad_sync is not None:
+            self.grad_sync.sync()
+        if self.tied is not None:
+            self.tied.sum_grads(held_grad(self.tied.param, self.zero))
+        return loss
+
+    def grads(self) -> list:
+        """The local gradient tensors this rank holds (slices, shards, pieces), e.g. to unscale."""
+        return [g for g, _ in self._weighted_grads()]
+
+    def _weighted_grads(self) -> list:
+        elsewhere = self.tied.counted_elsewhere() if self.tied is not None else frozenset()
+        return weighted_grads(self.model, self.plan, self.kinds, self.zero, elsewhere)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm (before clipping), each element counted once, the same on
+        every rank; scales all gradients to at most max_norm when max_norm > 0."""
+        items = self._weighted_grads()
+        p0 = next(self.model.parameters())
+        norm = grad_norm(items, local(p0).device, self.meshes is not None)
+        if max_norm > 0:
+            clip_(items, norm, max_norm)
+        return norm
+
+    # ------------------------------------------------------------ reductions
+    def mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """Average per-rank values over the data-parallel ranks (tp/pp peers hold equal ones)."""
+        out = values.detach().clone()
+        if self.meshes is not None:
+            all_reduce_flat([out], self._group("dp"), self.plan.dp)
+        return out
+
+    def sum_load(self, load_E: torch.Tensor) -> torch.Tensor:
+        """Expert loads summed over the ranks that route distinct tokens (the pool)."""
+        out = load_E.clone()
+        if self.meshes is not None:
+            all_reduce_flat([out], self._group("pool"))
+        return out
+
+    def sum_routing_stats(self, stats: dict) -> dict:
+        """Collective: {layer name: RoutingStats} summed over the token pool, and under
+        pipeline parallelism every stage's layers gathered, so rank 0 sees the whole model.
+        Every rank must pass the same layer names in the same order as its stage peers."""
+        if self.meshes is None:
+            return stats
+        pool = self._group("pool")
+        out = {name: sum_routing_stats(s, pool) for name, s in stats.items()}
+        if self.plan.pp > 1:
+            parts = [None] * self.plan.pp
+            mine = {k: (v.routed_E.cpu(), v.kept_E.cpu(), v.num_tokens, v.top_k, v.entropy.cpu())
+                    for k, v in out.items()}
+            dist.all_gather_object(parts, mine, group=self._group("pp"))
+            from moe.stats import RoutingStats
+            out = {k: RoutingStats(*v) for part in parts for k, v in part.items()}
+        return out
+
+    # ------------------------------------------------------------ checkpoints
+    def checkpoint_transforms(self):
+        """(transform, untransform) of (model_sd, optim_sd) so a checkpoint holds full,
+        layout-free tensors under one name each (see expert.py and pipeline.TiedEmbedding)."""
+        steps = []
+        if self.tied is not None:
+            steps.append(self.tied.checkpoint_transforms())
+        if self.meshes is not None and self.plan.ep > 1:
+            from .expert import expert_checkpoint_transforms
+            steps.append(expert_checkpoint_transforms(self.model, self.meshes))
+
+        def transform(model_sd, optim_sd):
+            for fwd, _ in steps:
+                model_sd, optim_sd = fwd(model_sd, optim_sd)
+            return model_sd, optim_sd
+
+        def untransform(model_sd, optim_sd):
+            for _, back in reversed(steps):
+                model_sd, optim_sd = back(model_sd, optim_sd)
+            return model_sd, optim_sd
+
+        return transform, untransform

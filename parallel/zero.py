@@ -1,0 +1,190 @@
+"""ZeRO-1/2: each rank keeps optimizer state (and, at stage 2, gradients) for a 1/P slice.
+
+Shapes: P ranks in a reduction group (dp, pool or edp, see grad_sync.py), L slice length of
+one parameter. Each parameter is flattened, zero-padded to P*L and cut into P slices; the
+optimizer steps this rank's fp32 slices (the "master" copies) and the updated slices are
+all-gathered back into the model's parameters.
+zero=1: gradients are all-reduced in full (GradSync); each rank keeps its slice of them.
+zero=2: gradients are reduce-scattered straight into the slices and the full ones freed.
+"""
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from .dtensors import local
+from .grad_sync import settled_grad
+
+
+class _Slices:
+    """This rank's flat 1/P slice of every parameter of one reduction bucket."""
+
+    def __init__(self, group, divisor, params):
+        self.group, self.divisor, self.params = group, divisor, params
+        self.P, self.r = dist.get_world_size(group), dist.get_rank(group)
+        self.L = [-(-local(p).numel() // self.P) for p in params]
+        self.shards = [torch.nn.Parameter(self._full_rows(local(p).detach(), L)[self.r].clone())
+                       for p, L in zip(params, self.L)]
+
+    def _full_rows(self, t, L):  # flat, zero-padded to P*L, viewed [P, L]
+        flat = t.reshape(-1)
+        pad = self.P * L - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(self.P, L)
+
+    def reduce_scatter(self, free_full: bool) -> None:
+        """Sum grads over the group into this rank's slices (accumulating), divided."""
+        rows = torch.cat([self._full_rows(settled_grad(p), L) for p, L in zip(self.params, self.L)], 1)
+        out = rows[self.r].clone()
+        if self.P > 1:
+            dist.reduce_scatter_tensor(out, rows.reshape(-1).contiguous(), group=self.group)
+        out.div_(self.divisor)
+        for s, g in zip(self.shards, out.split(self.L)):
+            s.grad = g.clone() if s.grad is None else s.grad.add_(g)
+        if free_full:
+            for p in self.params:
+                p.grad = None
+
+    def take_synced(self) -> None:
+        """zero=1: grads were all-reduced in full; keep this rank's slice of them."""
+        for p, s, L in zip(self.params, self.shards, self.L):
+            g = self._full_rows(settled_grad(p), L)[self.r]
+            s.grad = g.clone() if s.grad is None else s.grad.add_(g)
+            p.grad = None
+
+    def slice_of(self, t, L):
+        """This rank's [L] slice of a tensor laid out like the local parameter."""
+        return self._full_rows(t, L)[self.r]
+
+    def gather_full(self, slices, which=None) -> list:
+        """Collective over the group: the full local-parameter-shaped tensors of `slices`, one
+        [L] slice for each parameter index in `which` (default: every parameter, in order)."""
+        which = range(len(self.params)) if which is None else which
+        mine = torch.cat([s.detach() for s in slices])
+        rows = mine.new_empty(self.P * mine.numel())
+        if self.P > 1:
+            dist.all_gather_into_tensor(rows, mine, group=self.group)
+        else:
+            rows.copy_(mine)
+        rows = rows.view(self.P, -1)
+        out, offset = [], 0
+        for i in which:
+            p, L = self.params[i], self.L[i]
+            out.append(rows[:, offset:offset + L].reshape(-1)[:local(p).numel()].view_as(local(p)))
+            offset += L
+        return out
+
+    def all_gather(self) -> None:
+        """Write the updated slices back into the full parameters."""
+        with torch.no_grad():
+            for p, full in zip(self.params, self.gather_full(self.shards)):
+                local(p).copy_(full)
+
+
+class ZeroState:
+    """Per-model ZeRO-1/2 bookkeeping: the slices of each bucket and the stage."""
+
+    def __init__(self, buckets, stage: int):
+        self.stage = stage
+        self.slices = [_Slices(group, divisor, params) for _, group, divisor, params in buckets]
+        self.kinds = [kind for kind, _, _, _ in buckets]
+        self.shard_of = {id(p): s for sl in self.slices for p, s in zip(sl.params, sl.shards)}
+
+    def after_backward(self) -> None:  # zero=2 only
+        for sl in self.slices:
+            sl.reduce_scatter(free_full=True)
+
+    def refresh_from_params(self) -> None:
+        """Re-copy the parameters into the master slices (after loading weights into the model:
+        the slices are copies, so they would otherwise keep the old values)."""
+        with torch.no_grad():
+            for sl in self.slices:
+                for p, s, L in zip(sl.params, sl.shards, sl.L):
+                    s.copy_(sl.slice_of(local(p).detach(), L))
+
+    def model_param_of(self) -> dict:
+        """id(slice) -> the model parameter it is a slice of."""
+        return {id(s): p for sl in self.slices for p, s in zip(sl.params, sl.shards)}
+
+    def full_optimizer_state(self, optimizer) -> dict:
+        """Collective: {id(model param): {key: value}} with every per-slice state tensor gathered
+        into the full local-parameter shape (scalars such as Adam's step kept as they are).
+
+        Gathers one tensor per parameter and key over the bucket's group: a full copy of the
+        state passes through every rank, which is fine at our model sizes (checkpoints only).
+        Every rank holds state for the same slices, so all ranks issue the same collectives.
+        """
+        out = {}
+        for sl in self.slices:
+            for i, (p, s, L) in enumerate(zip(sl.params, sl.shards, sl.L)):
+                st = optimizer.state.get(s)
+                if not st:
+                    continue
+                full = {}
+                for key in sorted(st):
+                    v = st[key]
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == L:
+                        full[key] = sl.gather_full([v], [i])[0].clone()
+                    else:
+                        full[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                out[id(p)] = full
+        return out
+
+    def load_full_optimizer_state(self, optimizer, full: dict) -> None:
+        """Inverse of full_optimizer_state (local, no communication): keep this rank's slice of
+        each full local-parameter-shaped tensor in `full` ({id(model param): {key: value}})."""
+        for sl in self.slices:
+            for p, s, L in zip(sl.params, sl.shards, sl.L):
+                if id(p) not in full:
+                    continue
+                st = {}
+                for key, v in full[id(p)].items():
+                    if isinstance(v, torch.Tensor) and v.shape == local(p).shape and v.dim() > 0:
+                        st[key] = sl.slice_of(v.to(s.device), L).clone()
+                    else:
+                        st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                optimizer.state[s] = st
+
+    def init_optimizer_state(self, optimizer) -> None:
+        """Collective: give the slice optimizer its state tensors (so a checkpoint can be loaded
+        into them) by one step with zero gradients at lr=0, which leaves the slices unchanged."""
+        if optimizer.state:
+            return
+        for sl in self.slices:
+            for s in sl.shards:
+                s.grad = torch.zeros_like(s)
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+        optimizer.step()
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+
+
+def shard_optimizer(optimizer, zero_state: ZeroState):
+    """A new optimizer of the same class and hyperparameters over this rank's slices.
+
+    Parameters the optimizer does not hold keep no slice state. Steps update the slices and
+    all-gather them into the model's parameters.
+    """
+    groups = []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [zero_state.shard_of[id(p)] for p in g["params"]]})
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    sharded = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+    def pre(_opt, _args, _kwargs):
+        if zero_state.stage == 1:
+            for sl in zero_state.slices:
+                sl.take_synced()
+
+    def post(_opt, _args, _kwargs):
+        for sl in zero_state.slices:
+            sl.all_gather()
+
+    sharded.register_step_pre_hook(pre)
+    sharded.register_step_post_hook(post)
+    return sharded

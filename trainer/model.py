@@ -1,0 +1,30 @@
+"""The model a config describes, built the same way by train.py and `python -m trainer.profile`."""
+import models
+from models.hf_build import TASKS as HF_TASKS
+
+from .config import ConfigError
+
+
+def task_arch(cfg) -> str:
+    """'gpt' (next-token) or 'switch' (span corruption): the training task of the model."""
+    return HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
+
+
+def build_model(cfg, device):
+    """Our models on the meta device (materialise with init_fn, e.g. inside parallelize), or
+    a Hugging Face family with MoE FFNs when hf.family is set (built initialised on device)."""
+    if cfg.hf.family:
+        from models.hf_build import build_hf_model
+        if (cfg.parallel.tp, cfg.parallel.pp) != (1, 1):
+            raise ConfigError("hf.family models support data/expert parallelism and ZeRO only; "
+                              "set parallel.tp=1 and parallel.pp=1")
+        return build_hf_model(cfg.hf, cfg.model, cfg.moe, seed=cfg.train.seed, device=device)
+    return models.build_model(cfg.model, cfg.moe, device="meta")
+
+
+def init_fn(cfg, device):
+    """Materialise and initialise a model from build_model (None: it arrives initialised).
+    Init is seeded per global tensor, so every parallel layout starts from the same weights."""
+    if cfg.hf.family:
+        return None
+    return lambda m: models.init_weights(m, cfg.train.seed, device)
