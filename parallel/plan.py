@@ -28,7 +28,7 @@ class ParallelPlan:
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
     pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b"})
     pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, else 1)"})
-    microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only)"})
+    microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
@@ -54,7 +54,8 @@ class ParallelPlan:
         return self.pp * self.stages_per_rank
 
     def validate(self, world_size: int, model_cfg=None, moe_cfg=None, batch_size=None) -> "ParallelPlan":
-        """Check the plan and return a copy with dp resolved (dp=-1 -> remaining ranks).
+        """Check the plan and return a copy with dp resolved (dp=-1 -> remaining ranks) and
+        microbatches resolved (0 -> pp).
 
         model_cfg / moe_cfg (models.config dataclasses, optional) enable the divisibility checks
         of heads, d_ff, vocab, layers and experts; batch_size (global, in sequences, optional)
@@ -62,7 +63,8 @@ class ParallelPlan:
         """
         _check_choices(self)
         _check_degrees(self)
-        plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size))
+        plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size),
+                                   microbatches=self.microbatches or (self.pp if self.pp > 1 else 1))
         _check_ep(plan)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
@@ -92,10 +94,14 @@ def _check_choices(p: ParallelPlan) -> None:
 
 
 def _check_degrees(p: ParallelPlan) -> None:
-    for name in ("tp", "pp", "ep", "microbatches"):
+    for name in ("tp", "pp", "ep"):
         v = getattr(p, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise _err(f"parallel.{name}={v!r} must be an integer >= 1")
+    mb = p.microbatches
+    if not isinstance(mb, int) or isinstance(mb, bool) or mb < 0:
+        raise _err(f"parallel.microbatches={mb!r} must be 0 (auto: one per pipeline stage) or an "
+                   f"integer >= 1")
     if not isinstance(p.dp, int) or isinstance(p.dp, bool) or not (p.dp == -1 or p.dp >= 1):
         raise _err(f"parallel.dp={p.dp!r} must be -1 (all remaining ranks) or an integer >= 1")
     if not isinstance(p.pp_stages_per_rank, int) or p.pp_stages_per_rank < 0:
