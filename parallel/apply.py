@@ -71,6 +71,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if par.zero is not None:
         par.zero.refresh_from_params()  # slices taken before init / the tie broadcast
     par.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
+    if meshes is not None:
+        from .ledger import CommLedger, mesh_groups
+        tied_group = {"tied": par.tied.group} if par.tied is not None else {}
+        par.ledger = CommLedger(mesh_groups(meshes, tied_group))
     return par
 
 

@@ -12,10 +12,13 @@ Gradient path (one for every layout): dense grads over dp, routers/shared expert
 dp*tp token pool, experts over their expert-data-parallel copies (grad_sync.py / zero.py /
 FSDP2), then a weight tied across pipeline stages summed over its two holders.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from moe.stats import RoutingStats
 
 from .dtensors import local
 from .grad_sync import GradSync
@@ -34,6 +37,7 @@ class Parallelized:
     zero: object = None          # zero.ZeroState for zero 1/2
     pipeline: object = None      # pipeline.PipelineRunner when pp > 1
     tied: object = None          # pipeline.TiedEmbedding when a weight spans two stages
+    ledger: object = None        # ledger.CommLedger (bytes per collective kind), with meshes
 
     # ------------------------------------------------------------ data layout
     @property
@@ -92,10 +96,20 @@ class Parallelized:
         every rank; scales all gradients to at most max_norm when max_norm > 0."""
         items = self._weighted_grads()
         p0 = next(self.model.parameters())
-        norm = grad_norm(items, local(p0).device, self.meshes is not None)
+        with self.comm_label("other"):
+            norm = grad_norm(items, local(p0).device, self.meshes is not None)
         if max_norm > 0:
             clip_(items, norm, max_norm)
         return norm
+
+    def recording_comm(self):
+        """Context manager: count this rank's collective bytes by kind (see ledger.py); a
+        no-op for one process. Read them with `par.ledger.take()`."""
+        return self.ledger.recording() if self.ledger is not None else contextlib.nullcontext()
+
+    def comm_label(self, kind: str):
+        """Context manager: book the collectives inside under ledger kind `kind`."""
+        return self.ledger.labelled(kind) if self.ledger is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------ reductions
     def mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
@@ -109,7 +123,8 @@ class Parallelized:
         """Expert loads summed over the ranks that route distinct tokens (the pool)."""
         out = load_E.clone()
         if self.meshes is not None:
-            all_reduce_flat([out], self._group("pool"))
+            with self.comm_label("other"):
+                all_reduce_flat([out], self._group("pool"))
         return out
 
     def sum_routing_stats(self, stats: dict) -> dict:
@@ -125,7 +140,6 @@ class Parallelized:
             mine = {k: (v.routed_E.cpu(), v.kept_E.cpu(), v.num_tokens, v.top_k, v.entropy.cpu())
                     for k, v in out.items()}
             dist.all_gather_object(parts, mine, group=self._group("pp"))
-            from moe.stats import RoutingStats
             out = {k: RoutingStats(*v) for part in parts for k, v in part.items()}
         return out
 

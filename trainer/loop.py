@@ -8,6 +8,7 @@ the routers' aux-loss-free selection bias with the all-reduced expert load. Ever
 layout-specific goes through the parallel.Parallelized handle `par` (parallel/parallelized.py).
 Under fp16 a DynamicLossScaler scales the loss and skips steps whose gradients overflow.
 """
+import contextlib
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from data.sampler import BatchSampler, eval_indices, open_split
 from moe.aux import collect_aux_loss
 from moe.stats import merge_stats
 from parallel.apply import parallelize
+from parallel.ledger import model_state_bytes
 from parallel.mesh import build_meshes
 from parallel.precision import DynamicLossScaler
 
@@ -118,7 +120,8 @@ def _run(cfg, ctx) -> int:
         _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
-                          Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device))
+                          Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device),
+                          first_step=start + 1)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)
     finally:
@@ -142,28 +145,38 @@ def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> 
 class Trainer:
     """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
 
-    def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task):
+    def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
+                 first_step: int):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
         self.moe = models.moe_layers(par.model)
+        self.first_step = first_step  # model_state_bytes are logged on it
 
     def step(self, n: int) -> None:
         t0 = time.perf_counter()
         scale = self.scaler.scale_value if self.scaler is not None else 1.0
-        loss, aux, stats = self._forward_backward(scale)
-        skipped = self.scaler is not None and self.scaler.unscale_(self.par.grads())
-        grad_norm = None if skipped else float(self.par.clip_grad_norm_(self.cfg.train.grad_clip))
         lr = self.sched.get_last_lr()
-        if not skipped:  # an fp16 overflow leaves weights, optimizer state and schedule alone
-            self.optimizer.step()
-            self.sched.step()
-            self._update_bias()
+        counting = self.par.recording_comm() if self.cfg.log.comm_bytes else contextlib.nullcontext()
+        with counting:  # the training part of the step: its bytes by kind
+            loss, aux, stats = self._forward_backward(scale)
+            with self.par.comm_label("other"):
+                skipped = self.scaler is not None and self.scaler.unscale_(self.par.grads())
+            grad_norm = None if skipped else float(self.par.clip_grad_norm_(self.cfg.train.grad_clip))
+            if not skipped:  # an fp16 overflow leaves weights, optimizer state and schedule alone
+                self.optimizer.step()
+                self.sched.step()
+                self._update_bias()
+        rec = {"step": n}
+        if n == self.first_step:  # what this rank holds, by device, read from the tensors
+            rec["model_state_bytes"] = model_state_bytes(self.model, self.par.grads(), self.optimizer)
         loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
         dt = time.perf_counter() - t0
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
-        rec = {"step": n, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": tokens / dt, "step_time_s": dt}
+        rec.update(loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / dt,
+                   step_time_s=dt)
+        if self.cfg.log.comm_bytes:
+            rec["comm_bytes"] = self.par.ledger.take() if self.par.ledger is not None else {}
         if self.scaler is not None:
             self.scaler.update(skipped)
             rec.update(loss_scale=scale, skipped=skipped)

@@ -65,8 +65,9 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def log_step(self, record: dict) -> None:
-        """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s
-        (+ val_loss; under fp16 loss_scale and skipped, ...)."""
+        """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s,
+        comm_bytes {kind: bytes} (+ val_loss; model_state_bytes on the first step; under fp16
+        loss_scale and skipped)."""
         if not self.enabled:
             return
         self.jsonl.write(json.dumps(record) + "\n")
@@ -77,6 +78,11 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)):
                     tag = "val/loss" if k == "val_loss" else f"train/{k}"
                     self.tb.add_scalar(tag, v, step)
+            for kind, n in record.get("comm_bytes", {}).items():
+                self.tb.add_scalar(f"comm_bytes/{kind}", n, step)
+            for category, by_device in record.get("model_state_bytes", {}).items():
+                for device, n in by_device.items():
+                    self.tb.add_scalar(f"model_state_bytes/{category}/{device}", n, step)
         self._show(record)
 
     def _show(self, r: dict) -> None:

@@ -1,0 +1,176 @@
+"""Communication ledger: the bytes this rank hands to each collective, by kind, per step.
+
+Counted at the torch.distributed boundary, not by formula: while `recording()` is active, a
+TorchDispatchMode sees every c10d op (dist.all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, all_to_all_single, broadcast, send/recv: FSDP2's gathers and
+reduce-scatters and the pipeline schedules' send/recv included) and every functional
+collective (DTensor redistribution under tensor parallelism).
+
+Bytes per call = the input buffer this rank hands over: all_reduce / broadcast / send its
+tensors, all_gather its shard, reduce_scatter its full input, all_to_all its whole send
+buffer (including rows it keeps), recv nothing. (Wire traffic depends on the algorithm, e.g.
+a ring all-reduce sends 2(P-1)/P of that; the payload is what the layout decides.)
+
+Kind, from the op and the process group it runs on (mesh.py dims):
+  dp_grad_reduce            all_reduce over dp / pool / edp (gradient sync, ZeRO-1)
+  zero_param_gather         all_gather over dp / pool / edp (ZeRO-1/2 slices, FSDP2 params)
+  zero_grad_reduce_scatter  reduce_scatter over dp / pool / edp (ZeRO-2, FSDP2)
+  expert_all_to_all         all_to_all over ep (token dispatch and combine, count tables)
+  tensor_parallel           any collective over tp (incl. MoE sequence<->batch all_to_all)
+  pipeline                  send/recv and reductions over pp
+  tied_embedding            the tied weight's gradient sum over the first/last stage pair
+  other                     everything else: the gradient-norm and overflow all_reduces,
+                            expert-load sums (booked explicitly: on a world-sized dp the
+                            group alone cannot tell them from gradient sync)
+"""
+import contextlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = ("dp_grad_reduce", "zero_param_gather", "zero_grad_reduce_scatter", "expert_all_to_all",
+         "tensor_parallel", "pipeline", "tied_embedding", "other")
+DATA_DIMS = {"dp", "pool", "edp"}
+# op name -> (collective class, index of the argument holding this rank's input)
+_OPS = {"allreduce_": ("reduce", 0), "allreduce_coalesced_": ("reduce", 0), "all_reduce": ("reduce", 0),
+        "all_reduce_": ("reduce", 0), "all_reduce_coalesced": ("reduce", 0),
+        "broadcast_": ("reduce", 0), "broadcast": ("reduce", 0),
+        "_allgather_base_": ("gather", 1), "allgather_": ("gather", 1),
+        "allgather_into_tensor_coalesced_": ("gather", 1), "all_gather_into_tensor": ("gather", 0),
+        "all_gather_into_tensor_coalesced": ("gather", 0),
+        "_reduce_scatter_base_": ("scatter", 1), "reduce_scatter_": ("scatter", 1),
+        "reduce_scatter_tensor_coalesced_": ("scatter", 1), "reduce_scatter_tensor": ("scatter", 0),
+        "reduce_scatter_tensor_coalesced": ("scatter", 0),
+        "alltoall_base_": ("a2a", 1), "alltoall_": ("a2a", 1), "all_to_all_single": ("a2a", 0),
+        "send": ("p2p", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0)}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group_name(args) -> str | None:
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except RuntimeError:
+                continue  # a ReduceOp, not a group
+    strings = [a for a in args if isinstance(a, str)]
+    return strings[-1] if strings else None  # functional collectives pass the group's name
+
+
+def classify(collective: str, dims: set) -> str:
+    """The ledger kind of a collective class run on a group that is these mesh dims."""
+    if "tied" in dims:
+        return "tied_embedding"
+    if collective in ("p2p", "recv") or "pp" in dims:
+        return "pipeline"
+    if collective == "a2a":
+        return "expert_all_to_all" if "ep" in dims else "tensor_parallel" if "tp" in dims else "other"
+    if "tp" in dims and not dims & DATA_DIMS:
+        return "tensor_parallel"
+    if dims & DATA_DIMS:
+        return {"reduce": "dp_grad_reduce", "gather": "zero_param_gather",
+                "scatter": "zero_grad_reduce_scatter"}[collective]
+    return "tensor_parallel" if "tp" in dims else "other"
+
+
+class CommLedger:
+    """`with ledger.recording(): ...` then `ledger.take()` -> {kind: bytes} since the last take.
+
+    `groups`: {dim name: ProcessGroup} (e.g. every dim of a parallel.mesh.Meshes plus "tied");
+    a group serving several dims (ep == tp, or a dp of 1) counts as all of them.
+    """
+
+    def __init__(self, groups: dict):
+        self.dims_of = {}
+        for dim, group in groups.items():
+            if group is not None:
+                self.dims_of.setdefault(group.group_name, set()).add(dim)
+        self.bytes = Counter()
+        self.label = None
+
+    def record(self, op_name: str, args, functional: bool = False) -> None:
+        collective, arg = _OPS.get(op_name, (None, 0))
+        if collective is None:
+            return
+        size = 0 if collective == "recv" else _nbytes(args[arg])
+        dims = self.dims_of.get(_group_name(args), set())
+        if functional and "tp" in dims:  # DTensor redistribution: tensor parallelism's
+            dims = {"tp"}                 # (a tp group may also be the pool/edp group)
+        self.bytes[self.label or classify(collective, dims)] += size
+
+    @contextlib.contextmanager
+    def labelled(self, kind: str):
+        """Book the collectives inside under `kind` (e.g. "other" for a scalar norm reduction
+        that runs on a group which is also the dp group)."""
+        assert kind in KINDS, kind
+        self.label = kind
+        try:
+            yield
+        finally:
+            self.label = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        with _Tap(self):
+            yield self
+
+    def take(self) -> dict:
+        out = {k: int(self.bytes[k]) for k in KINDS if self.bytes[k]}
+        self.bytes.clear()
+        return out
+
+
+class _Tap(TorchDispatchMode):
+    def __init__(self, ledger: CommLedger):
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.ledger.record(func._opname, args, func.namespace == "_c10d_functional")
+        return func(*args, **(kwargs or {}))
+
+
+def mesh_groups(meshes, extra: dict = None) -> dict:
+    """{dim: group} for CommLedger from a parallel.mesh.Meshes (plus e.g. {"tied": group})."""
+    groups = {dim: meshes.group(dim) for dim in ("pp", "dp", "tp", "edp", "ep", "pool")}
+    return {**groups, **(extra or {})}
+
+
+def model_state_bytes(model, grads: list, optimizer) -> dict:
+    """This rank's model-state bytes by category and device, from the tensors it holds:
+    {"params": {"cpu": n, ...}, "grads": {...}, "optimizer": {...}}. Optimizer state counts
+    every tensor in optimizer.state (and ZeRO-1/2's fp32 master slices, which the optimizer
+    steps, via its param_groups when they are not the model's own parameters)."""
+    from .dtensors import local
+    model_ids = {id(p) for p in model.parameters()}
+    seen, out = set(), {"params": Counter(), "grads": Counter(), "optimizer": Counter()}
+
+    def add(category, t):
+        t = local(t)
+        if t is None or id(t) in seen or not isinstance(t, torch.Tensor):
+            return
+        seen.add(id(t))
+        out[category][t.device.type] += t.numel() * t.element_size()
+    for p in model.parameters():
+        add("params", p)
+    for g in grads:
+        add("grads", g)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_ids:
+                add("optimizer", p)  # a master slice, not a model parameter
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                add("optimizer", v)
+    return {k: dict(v) for k, v in out.items()}
