@@ -186,3 +186,34 @@ def test_fp32_scores_in_fp64_run():
     assert layer(x).dtype == torch.float64
     torch.testing.assert_close(layer(x), exact(x), rtol=1e-5, atol=1e-7)
     assert not torch.equal(layer(x), exact(x))
+
+
+def test_moe_config_fields_reach_the_layer():
+    from models.config import ModelConfig, MoEConfig
+    from models.layers import make_ffn
+    model_cfg = ModelConfig(d_model=D, d_ff=FF, activation="clamped_swiglu").validate()
+    moe_cfg = MoEConfig(num_experts=E, top_k=2, every=1, score_func="sigmoid", norm_topk_prob=True,
+                        n_group=3, topk_group=2, routed_scaling_factor=2.5, router_bias=True,
+                        num_shared_experts=1, shared_expert_gate=True, swiglu_alpha=1.5,
+                        swiglu_limit=3.0).validate(model_cfg)
+    layer = make_ffn(model_cfg, moe_cfg, 0, 0.02, False)
+    r = layer.router
+    assert (r.score_func, r.norm_topk_prob, r.n_group, r.topk_group) == ("sigmoid", True, 3, 2)
+    assert r.routed_scaling_factor == 2.5 and r.bias is not None
+    assert layer.shared_experts.gate is not None
+    assert (layer.experts.swiglu_alpha, layer.experts.swiglu_limit) == (1.5, 3.0)
+    default = make_ffn(model_cfg, MoEConfig(num_experts=E, every=1).validate(), 0, 0.02, False)
+    assert (default.router.score_func, default.router.norm_topk_prob, default.router.n_group) == (
+        "softmax", True, 1)
+    assert default.router.bias is None and default.shared_experts is None
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(score_func="relu"), "moe.score_func"), (dict(n_group=4), "moe.n_group=4"),
+    (dict(n_group=2, topk_group=3), "moe.topk_group=3"),
+    (dict(routed_scaling_factor=0.0), "moe.routed_scaling_factor"),
+    (dict(norm_topk_prob="maybe"), "moe.norm_topk_prob")])
+def test_moe_config_validation_names_the_field(kwargs, msg):
+    from models.config import MoEConfig
+    with pytest.raises(ValueError, match=msg):
+        MoEConfig(num_experts=E, top_k=2, every=1, **kwargs).validate()
