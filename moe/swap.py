@@ -17,6 +17,7 @@ import torch
 
 from .adapters import adapter_for
 from .aux import inject_aux_loss, moe_layers
+from .convert import convert_moe_blocks, explicit_args, is_moe_adapter
 from .layer import MoELayer
 from .upcycle import upcycle_layer
 
@@ -57,20 +58,31 @@ def _selected(sites: list, every: int) -> list:
     return chosen
 
 
-def moefy(model, num_experts: int, top_k: int, every: int = 1, capacity_factor=None,
-          upcycle: bool = True, *, family=None, adapter=None, router_init_std: float = 1e-3,
+def moefy(model, num_experts=None, top_k=None, every: int = 1, capacity_factor=None,
+          upcycle=None, *, family=None, adapter=None, router_init_std: float = 1e-3,
           inject_aux: bool = False, **moe_kwargs):
-    """Replace, in place, every `every`-th dense FFN of `model` with a moe.MoELayer.
+    """Replace, in place, every `every`-th dense FFN of `model` with a moe.MoELayer; or, for a
+    transformers MoE model (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss,
+    ernie4_5_moe, switch_transformers), convert each sparse block into a MoELayer with the
+    same weights and routing, read from the model's config.
 
     family: force a built-in adapter (default: from model.config.model_type); adapter: your
-    own (see moe/adapters/base.py). upcycle: experts start as copies of the dense FFN and the
-    router small (see moe/upcycle.py); else MoELayer's own init. inject_aux: aux losses reach
-    backward without changing the training code (moe/aux.py). Other keyword arguments go to
-    MoELayer (aux_loss_coef, z_loss_coef, router, jitter, num_shared_experts, ...).
-    Returns the model.
+    own (see moe/adapters/base.py, moe/adapters/hf_moe.py). Dense models need num_experts and
+    top_k. upcycle (dense models, default True): experts start as copies of the dense FFN and
+    the router small (see moe/upcycle.py); else MoELayer's own init. inject_aux: aux losses
+    reach backward without changing the training code (moe/aux.py). Other keyword arguments
+    go to MoELayer (aux_loss_coef, z_loss_coef, router, jitter, num_shared_experts, ...);
+    for an MoE model, one that contradicts its config is an error. Returns the model.
     """
-    _check_args(num_experts, top_k, every, upcycle, moe_kwargs)
     adapter = adapter or adapter_for(model, family)
+    if is_moe_adapter(adapter):
+        return _convert(model, adapter, num_experts, top_k, every, capacity_factor, upcycle,
+                        inject_aux, moe_kwargs)
+    if num_experts is None or top_k is None:
+        raise ValueError(f"moefy on a dense {adapter.family} model needs num_experts and top_k "
+                         f"(e.g. moefy(model, num_experts=8, top_k=2))")
+    upcycle = True if upcycle is None else upcycle
+    _check_args(num_experts, top_k, every, upcycle, moe_kwargs)
     sites = adapter.sites(model)
     if not sites:
         done = " (it already has MoE layers: moefy it only once)" if moe_layers(model) else ""
@@ -94,6 +106,24 @@ def moefy(model, num_experts: int, top_k: int, every: int = 1, capacity_factor=N
             "format": 1, "family": adapter.family, "num_experts": num_experts, "top_k": top_k,
             "every": every, "capacity_factor": capacity_factor, "inject_aux": inject_aux,
             "moe_kwargs": dict(moe_kwargs)})
+    if inject_aux:
+        inject_aux_loss(model)
+    return model
+
+
+def _convert(model, adapter, num_experts, top_k, every, capacity_factor, upcycle, inject_aux,
+             moe_kwargs):
+    if every != 1:
+        raise ValueError(f"moefy got every={every} for a {adapter.family} model: which blocks are "
+                         f"sparse comes from its config; drop the argument")
+    if upcycle:
+        raise ValueError(f"moefy got upcycle=True for a {adapter.family} model, which already has "
+                         f"trained experts; drop the argument")
+    _check_args(num_experts or 1, top_k or 1, every, False, moe_kwargs)
+    convert_moe_blocks(model, adapter, explicit_args(num_experts, top_k, capacity_factor, moe_kwargs))
+    setattr(model.config, CONFIG_KEY, {
+        "format": 1, "family": adapter.family, "converted": True, "inject_aux": inject_aux,
+        "moe_kwargs": dict(moe_kwargs)})
     if inject_aux:
         inject_aux_loss(model)
     return model
@@ -138,9 +168,13 @@ def load_moefied(path: str, adapter=None):
         raise ValueError(f"{path}/config.json names architectures={arch!r}, which transformers "
                          f"does not export; save with model.save_pretrained")
     model = cls(config)   # fresh init, overwritten by the saved weights below
-    moefy(model, section["num_experts"], section["top_k"], section["every"],
-          section["capacity_factor"], upcycle=False, family=section["family"],
-          adapter=adapter, inject_aux=section["inject_aux"], **section["moe_kwargs"])
+    if section.get("converted"):
+        moefy(model, family=section["family"], adapter=adapter, inject_aux=section["inject_aux"],
+              **section["moe_kwargs"])
+    else:
+        moefy(model, section["num_experts"], section["top_k"], section["every"],
+              section["capacity_factor"], upcycle=False, family=section["family"],
+              adapter=adapter, inject_aux=section["inject_aux"], **section["moe_kwargs"])
     state = _read_state_dict(path)
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     if len(dtypes) == 1:
