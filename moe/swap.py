@@ -8,7 +8,9 @@ forward, loss, generate() and save_pretrained() keep working.
 Save / reload route: `model.save_pretrained(dir)` works unchanged (moefy records its
 arguments as `config.moekit` in config.json); reload with `load_moefied(dir)`, which builds
 the dense model from the config, moefies it the same way and loads the saved state dict.
-Plain `from_pretrained` would build the dense model and cannot load MoE weights.
+Plain `from_pretrained` would build the dense model and cannot load MoE weights; for that,
+`save_hf(model, dir)` (moe/export.py) writes a converted MoE model back in its own
+architecture, and an upcycled Llama/Mistral/Qwen2 as Mixtral/Qwen2-MoE where they match.
 """
 import json
 import os
@@ -18,6 +20,7 @@ import torch
 from .adapters import adapter_for
 from .aux import inject_aux_loss, moe_layers
 from .convert import convert_moe_blocks, explicit_args, is_moe_adapter
+from .export import save_hf  # noqa: F401  (moe.swap.save_hf is the public name)
 from .layer import MoELayer
 from .upcycle import upcycle_layer
 
