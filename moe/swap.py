@@ -152,6 +152,29 @@ def _read_state_dict(path: str) -> dict:
                             f"pytorch_model.bin; save with model.save_pretrained({path!r})")
 
 
+def _undo_renames(state: dict, wanted: set) -> dict:
+    """Undo module renames transformers' save_pretrained applies for some families (e.g.
+    Mixtral's `mlp` is written as `block_sparse_moe`): a saved key the model lacks is mapped
+    to the one key the model expects that differs from it in exactly one path component."""
+    unknown = [k for k in state if k not in wanted]
+    if not unknown:
+        return state
+    open_keys = wanted - set(state)
+    by_shape = {}
+    for k in open_keys:
+        parts = k.split(".")
+        for i in range(len(parts)):
+            by_shape.setdefault((i, tuple(parts[:i]), tuple(parts[i + 1:])), []).append(k)
+    out = dict(state)
+    for k in unknown:
+        parts = k.split(".")
+        hits = {m for i in range(len(parts))
+                for m in by_shape.get((i, tuple(parts[:i]), tuple(parts[i + 1:])), [])}
+        if len(hits) == 1:
+            out[hits.pop()] = out.pop(k)
+    return out
+
+
 def _tied_keys(model) -> set:
     tied = getattr(model, "_tied_weights_keys", None) or ()
     return set(tied.keys() if isinstance(tied, dict) else tied)
@@ -182,6 +205,7 @@ def load_moefied(path: str, adapter=None):
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         model.to(dtypes.pop())
+    state = _undo_renames(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in _tied_keys(model)]
     if missing or unexpected:

@@ -103,3 +103,19 @@ def test_upcycled_model_without_matching_architecture_is_refused(family, kw, msg
 def test_plain_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="save_pretrained"):
         save_hf(tiny("llama"), tmp_path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_model_save_pretrained_and_load_moefied(family, tmp_path):
+    """The moekit route keeps the MoELayers (e.g. to resume training), whatever renames
+    transformers' save_pretrained applies (Mixtral writes `mlp` as `block_sparse_moe`)."""
+    from moe.swap import load_moefied
+    model = moefy(build(family))
+    with torch.no_grad():
+        for _, layer in moe_layers(model):
+            layer.experts.w1.mul_(0.5)
+    ours = logits(model, family)
+    model.save_pretrained(tmp_path)
+    back = load_moefied(str(tmp_path))
+    assert len(moe_layers(back)) == len(moe_layers(model))
+    assert rel_diff(logits(back, family), ours) <= 1e-12
