@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function  # named ranges for traces; ~free when not profiling
 
+from .balance import (all_reduce_stats, check_balance_loss, local_terms, pooled_balance_loss,
+                      sequence_balance_loss)
 from .dispatcher import LocalDispatcher
 from .experts import DenseFFN, ExpertBank, check_activation
 from .router import ROUTER_KINDS, Router
@@ -69,6 +71,13 @@ def _check_routing_args(router, top_k, num_experts, capacity_factor, score_func,
     return topk_group
 
 
+def _mask_GS(token_mask, shape, x_GSD):
+    if tuple(token_mask.shape) != tuple(shape[:-1]):
+        raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; it must be the input's "
+                         f"shape without the last dim, {tuple(shape[:-1])}")
+    return token_mask.reshape(x_GSD.shape[:2]).to(device=x_GSD.device, dtype=torch.bool)
+
+
 class MoELayer(nn.Module):
     """Sparse FFN: y = sum over the token's selected experts of gate_e * expert_e(x).
 
@@ -97,6 +106,12 @@ class MoELayer(nn.Module):
           fp32, and fp64 for fp64 inputs.
       expert_capacity: a fixed number of assignments per expert per routing group, in train
           and eval (Switch checkpoints' expert_capacity); instead of capacity_factor.
+      balance_loss: "sequence" (default), "micro_batch" or "global_batch": the tokens the
+          load-balance loss averages over (moe/balance.py). The last two count over the
+          ranks of `set_balance_group(group)`; "global_batch" also over the micro-batches
+          since `reset_balance_window()`.
+    `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
+    count in the balance loss (False: padding); every token is still routed and computed.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
@@ -109,7 +124,7 @@ class MoELayer(nn.Module):
                  routed_scaling_factor: float = 1.0, router_bias: bool = False,
                  shared_expert_gate: bool = False, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, logits_dtype=None, score_dtype=None,
-                 expert_capacity=None):
+                 expert_capacity=None, balance_loss: str = "sequence"):
         super().__init__()
         eval_cf = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
         _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_cf, router,
@@ -119,6 +134,8 @@ class MoELayer(nn.Module):
             topk_group, routed_scaling_factor, expert_capacity, num_shared_experts,
             shared_expert_gate)
         check_activation(activation)
+        check_balance_loss(balance_loss, router)
+        self.balance_loss = balance_loss
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_cf
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -137,6 +154,10 @@ class MoELayer(nn.Module):
                                            activation, expert_bias, init_std,
                                            output_gate=shared_expert_gate, **glu)
         self.dispatcher = LocalDispatcher(num_experts)
+        # global_batch: assignments per expert and token count since reset_balance_window()
+        self.register_buffer("balance_window", torch.zeros(num_experts + 1, dtype=torch.long),
+                             persistent=False)
+        self.balance_group = None
         self.ep_group = None
         self.aux_loss = torch.zeros(())
         self.aux_losses = {}
@@ -149,7 +170,17 @@ class MoELayer(nn.Module):
         from .ep_dispatcher import shard_layer_experts  # moe/ep_dispatcher.py
         shard_layer_experts(self, ep_group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def set_balance_group(self, group) -> None:
+        """Data-parallel ranks over which micro_batch/global_batch balance losses count tokens
+        (None: this process only). Handed in by the parallel setup, never read from a global."""
+        self.balance_group = group
+
+    def reset_balance_window(self) -> None:
+        """Start a new global_batch window (call once per optimizer step, before its first
+        micro-batch)."""
+        self.balance_window.zero_()
+
+    def forward(self, x: torch.Tensor, token_mask=None) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects input of shape [..., d_model={self.d_model}], "
                              f"got {tuple(x.shape)}")
@@ -161,6 +192,9 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with record_function("moe.router"):
             routing = self.router(x_GSD, cf)
+            if routing.probs_GSE is not None and (token_mask is not None or self.balance_loss != "sequence"):
+                mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)
+                routing.aux_losses["load_balance"] = self._balance(routing, mask_GS)
         x_TD = x_GSD.reshape(-1, D)
         with record_function("moe.dispatch"):
             x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
@@ -173,6 +207,18 @@ class MoELayer(nn.Module):
                 y_TD = y_TD + self.shared_experts(x_TD)
         self._record(routing)
         return y_TD.reshape(shape)
+
+    def _balance(self, routing, mask_GS):
+        probs_GSE, ids_GSK = routing.probs_GSE, routing.ids_GSK
+        if self.balance_loss == "sequence":
+            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS)
+        stats, psum_E = local_terms(probs_GSE, ids_GSK, mask_GS)
+        stats, world = all_reduce_stats(stats, self.balance_group)
+        f_stats = stats
+        if self.balance_loss == "global_batch" and self.training:
+            self.balance_window += stats.to(self.balance_window.device)
+            f_stats = self.balance_window
+        return pooled_balance_loss(psum_E, f_stats, int(stats[-1]), world, self.top_k)
 
     def _record(self, routing) -> None:
         self.aux_losses = routing.aux_losses
