@@ -18,7 +18,7 @@ Layout invariance. The balance group is the set of data-parallel ranks whose gra
 averaged. Rank r returns world * E * sum_e f_e * Psum_e(r) / T, with f and the token count
 T all-reduced (no gradient) and Psum_e(r) its own tokens' probability sum: the mean over
 ranks of the value is the one-process loss, and so is the mean of the gradients. The
-sequence variant needs no communication (a mean over groups, like the task loss).
+sequence variant all-reduces only the number of sequences (none without a balance group).
 """
 import torch
 import torch.distributed as dist
@@ -34,10 +34,23 @@ def _weights_GS(probs_GSE, mask_GS):
     return mask_GS.to(probs_GSE.dtype)
 
 
-def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None) -> torch.Tensor:
-    """Per routing group, averaged over groups that hold at least one unmasked token."""
-    if mask_GS is None:
+def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None) -> torch.Tensor:
+    """Per routing group, averaged over groups that hold at least one unmasked token.
+
+    With a balance group, the average runs over the groups of all its ranks (world * local
+    sum / global count), so ranks holding different numbers of (unpadded) sequences still
+    average to the one-process loss.
+    """
+    if mask_GS is None and group is None:
         return load_balance_loss(probs_GSE, ids_GSK)
+    total, n_valid = sequence_terms(probs_GSE, ids_GSK, mask_GS)
+    stats, world = all_reduce_stats(n_valid.reshape(1), group)
+    n = int(stats[0])
+    return total * 0 if n == 0 else world * total / n
+
+
+def sequence_terms(probs_GSE, ids_GSK, mask_GS=None):
+    """(sum over groups with an unmasked token of their loss, number of such groups, long)."""
     G, S, E = probs_GSE.shape
     K = ids_GSK.shape[-1]
     w_GS = _weights_GS(probs_GSE, mask_GS)
@@ -50,7 +63,7 @@ def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None) -> torch.Tensor:
     psum_GE = (probs_GSE * w_GS.unsqueeze(-1)).sum(dim=1)
     n_G = tokens_G.clamp_min(1).unsqueeze(-1)
     per_G = E * (counts_GE / (K * n_G) * psum_GE / n_G).sum(dim=-1)
-    return per_G[valid_G].mean() if valid_G.any() else per_G.sum() * 0
+    return (per_G * valid_G).sum(), valid_G.sum()
 
 
 def local_terms(probs_GSE, ids_GSK, mask_GS=None):

@@ -192,7 +192,8 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with record_function("moe.router"):
             routing = self.router(x_GSD, cf)
-            if routing.probs_GSE is not None and (token_mask is not None or self.balance_loss != "sequence"):
+            if routing.probs_GSE is not None and (token_mask is not None or self.balance_group
+                                                  is not None or self.balance_loss != "sequence"):
                 mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)
                 routing.aux_losses["load_balance"] = self._balance(routing, mask_GS)
         x_TD = x_GSD.reshape(-1, D)
@@ -211,7 +212,7 @@ class MoELayer(nn.Module):
     def _balance(self, routing, mask_GS):
         probs_GSE, ids_GSK = routing.probs_GSE, routing.ids_GSK
         if self.balance_loss == "sequence":
-            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS)
+            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.balance_group)
         stats, psum_E = local_terms(probs_GSE, ids_GSK, mask_GS)
         stats, world = all_reduce_stats(stats, self.balance_group)
         f_stats = stats
