@@ -14,6 +14,7 @@ POSITIONS = ("rope", "learned")
 NORMS = ("rmsnorm", "layernorm")
 ROUTERS = ("token_choice", "expert_choice")
 SCORE_FUNCS = ("softmax", "sigmoid")
+BALANCE_LOSSES = ("sequence", "micro_batch", "global_batch")
 _DROPLESS_WORDS = ("none", "null", "dropless", "")
 
 
@@ -135,6 +136,7 @@ class MoEConfig:
     shared_expert_gate: bool = _help(False, "scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
     swiglu_alpha: float = _help(1.702, "activation='clamped_swiglu' (GPT-OSS): sigmoid slope alpha")
     swiglu_limit: float = _help(7.0, "activation='clamped_swiglu' (GPT-OSS): clamp limit of gate and up projections")
+    balance_loss: str = _help("sequence", "load-balance loss over: 'sequence', 'micro_batch' or 'global_batch' (all micro-batches and dp ranks of a step)")
 
     def __post_init__(self):
         # normalise what we can; leave junk in place for validate() to report
@@ -164,6 +166,9 @@ class MoEConfig:
                 raise ValueError(f"moe.{n}={v!r} must be an integer >= 0")
         _choice(self, s, "router", ROUTERS)
         _choice(self, s, "score_func", SCORE_FUNCS)
+        _choice(self, s, "balance_loss", BALANCE_LOSSES)
+        if self.router == "expert_choice" and self.balance_loss != "sequence":
+            raise ValueError(f"moe.balance_loss={self.balance_loss!r} needs moe.router='token_choice'")
         if self.norm_topk_prob not in (None, True, False):
             raise ValueError(f"moe.norm_topk_prob={self.norm_topk_prob!r} must be true, false or unset")
         for n in ("n_group", "topk_group"):
@@ -205,7 +210,7 @@ class MoEConfig:
                     n_group=self.n_group, topk_group=self.topk_group or None,
                     routed_scaling_factor=self.routed_scaling_factor, router_bias=self.router_bias,
                     shared_expert_gate=self.shared_expert_gate, swiglu_alpha=self.swiglu_alpha,
-                    swiglu_limit=self.swiglu_limit)
+                    swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

@@ -60,6 +60,9 @@ def _write(config, state: dict, path: str) -> None:
 
 def _clean_config(config):
     config = copy.deepcopy(config)
+    section = getattr(config, CONFIG_KEY, {})
+    if section.get("output_router_logits") is not None:
+        config.output_router_logits = section["output_router_logits"]
     if hasattr(config, CONFIG_KEY):
         delattr(config, CONFIG_KEY)
     return config

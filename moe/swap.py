@@ -124,9 +124,14 @@ def _convert(model, adapter, num_experts, top_k, every, capacity_factor, upcycle
                          f"trained experts; drop the argument")
     _check_args(num_experts or 1, top_k or 1, every, False, moe_kwargs)
     convert_moe_blocks(model, adapter, explicit_args(num_experts, top_k, capacity_factor, moe_kwargs))
+    # transformers' own router-logit recording has nothing left to record: the aux losses
+    # now come from the MoELayers (moe.aux); save_hf restores the setting
+    router_logits = getattr(model.config, "output_router_logits", None)
+    if router_logits is not None:
+        model.config.output_router_logits = False
     setattr(model.config, CONFIG_KEY, {
         "format": 1, "family": adapter.family, "converted": True, "inject_aux": inject_aux,
-        "moe_kwargs": dict(moe_kwargs)})
+        "output_router_logits": router_logits, "moe_kwargs": dict(moe_kwargs)})
     if inject_aux:
         inject_aux_loss(model)
     return model

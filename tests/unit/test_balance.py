@@ -119,3 +119,15 @@ def test_default_is_unchanged_and_mask_errors():
 def test_bad_balance_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         MoELayer(D, 4, E, 2, **kwargs)
+
+
+def test_model_wide_helpers():
+    from moe.aux import moe_layers, reset_balance_windows, set_balance_group
+    model = torch.nn.Sequential(make_layer(2, balance_loss="global_batch"),
+                                make_layer(2, balance_loss="global_batch")).train()
+    model(x64())
+    assert all(int(m.balance_window[-1]) == G * S for _, m in moe_layers(model))
+    reset_balance_windows(model)
+    assert all(int(m.balance_window.sum()) == 0 for _, m in moe_layers(model))
+    set_balance_group(model, None)
+    assert all(m.balance_group is None for _, m in moe_layers(model))

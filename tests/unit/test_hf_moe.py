@@ -139,3 +139,16 @@ def test_converted_layers_train():
     (out.loss + layer.aux_loss).backward()
     assert isinstance(layer, MoELayer) and layer.router.weight.grad.abs().sum() > 0
     assert layer.experts.w1.grad.abs().sum() > 0
+
+
+def test_router_logit_recording_is_handed_to_moekit(tmp_path):
+    """transformers' output_router_logits has no router modules left to record from: moefy
+    turns it off (the aux losses come from the MoELayers) and save_hf restores it."""
+    from moe.swap import save_hf
+    model = build("mixtral")
+    model.config.output_router_logits = True
+    moefy(model)
+    ids = inputs("mixtral")["input_ids"]
+    assert model(input_ids=ids, labels=ids).loss > 0
+    save_hf(model, tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path).output_router_logits is True

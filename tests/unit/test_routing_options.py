@@ -195,13 +195,14 @@ def test_moe_config_fields_reach_the_layer():
     moe_cfg = MoEConfig(num_experts=E, top_k=2, every=1, score_func="sigmoid", norm_topk_prob=True,
                         n_group=3, topk_group=2, routed_scaling_factor=2.5, router_bias=True,
                         num_shared_experts=1, shared_expert_gate=True, swiglu_alpha=1.5,
-                        swiglu_limit=3.0).validate(model_cfg)
+                        swiglu_limit=3.0, balance_loss="global_batch").validate(model_cfg)
     layer = make_ffn(model_cfg, moe_cfg, 0, 0.02, False)
     r = layer.router
     assert (r.score_func, r.norm_topk_prob, r.n_group, r.topk_group) == ("sigmoid", True, 3, 2)
     assert r.routed_scaling_factor == 2.5 and r.bias is not None
     assert layer.shared_experts.gate is not None
     assert (layer.experts.swiglu_alpha, layer.experts.swiglu_limit) == (1.5, 3.0)
+    assert layer.balance_loss == "global_batch"
     default = make_ffn(model_cfg, MoEConfig(num_experts=E, every=1).validate(), 0, 0.02, False)
     assert (default.router.score_func, default.router.norm_topk_prob, default.router.n_group) == (
         "softmax", True, 1)
@@ -212,7 +213,9 @@ def test_moe_config_fields_reach_the_layer():
     (dict(score_func="relu"), "moe.score_func"), (dict(n_group=4), "moe.n_group=4"),
     (dict(n_group=2, topk_group=3), "moe.topk_group=3"),
     (dict(routed_scaling_factor=0.0), "moe.routed_scaling_factor"),
-    (dict(norm_topk_prob="maybe"), "moe.norm_topk_prob")])
+    (dict(norm_topk_prob="maybe"), "moe.norm_topk_prob"),
+    (dict(balance_loss="step"), "moe.balance_loss"),
+    (dict(balance_loss="micro_batch", router="expert_choice"), "moe.balance_loss")])
 def test_moe_config_validation_names_the_field(kwargs, msg):
     from models.config import MoEConfig
     with pytest.raises(ValueError, match=msg):
