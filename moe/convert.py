@@ -5,6 +5,8 @@ explicit argument may repeat a setting but not contradict it. Blocks are convert
 a time and each HF block is dropped as soon as its MoELayer is installed, so at most one
 layer's expert weights exist twice during the conversion.
 """
+import inspect
+
 from .layer import MoELayer
 
 # MoELayer arguments that change what the layer computes: an explicit value must match the
@@ -14,13 +16,9 @@ ROUTING_ARGS = ("num_experts", "top_k", "capacity_factor", "eval_capacity_factor
                 "topk_group", "routed_scaling_factor", "router_bias", "num_shared_experts",
                 "shared_d_ff", "shared_expert_gate", "expert_bias", "swiglu_alpha",
                 "swiglu_limit", "logits_dtype", "score_dtype", "expert_capacity", "jitter")
-_LAYER_DEFAULTS = {"capacity_factor": None, "eval_capacity_factor": "same",
-                   "router": "token_choice", "score_func": "softmax", "norm_topk_prob": None,
-                   "n_group": 1, "topk_group": None, "routed_scaling_factor": 1.0,
-                   "router_bias": False, "num_shared_experts": 0, "shared_d_ff": None,
-                   "shared_expert_gate": False, "expert_bias": False, "swiglu_alpha": 1.702,
-                   "swiglu_limit": 7.0, "logits_dtype": None, "score_dtype": None,
-                   "expert_capacity": None, "jitter": 0.0}
+_LAYER_DEFAULTS = {name: p.default for name, p in
+                   inspect.signature(MoELayer.__init__).parameters.items()
+                   if p.default is not inspect.Parameter.empty}
 
 
 def check_explicit(family: str, derived: dict, explicit: dict) -> None:
