@@ -78,7 +78,7 @@ def save_hf(model, path: str) -> None:
         adapter = adapter_for(model, section["family"])
         replace = {}
         for prefix, moe in _wrapped_layers(model):
-            if getattr(adapter, "selection_bias", None) is None and moe.router.selection_bias.any():
+            if adapter.selection_bias is None and moe.router.selection_bias.any():
                 raise ValueError(f"{prefix}: the selection bias moved (update_selection_bias), and "
                                  f"{adapter.family} checkpoints have no place for it; {_FALLBACK}")
             replace[prefix] = adapter.export(moe)

@@ -24,6 +24,7 @@ class GptOssAdapter:
     family = "gpt_oss"
     model_types = ("gpt_oss",)
     kind = "moe"
+    selection_bias = None  # no aux-loss-free selection bias in these checkpoints
 
     def sites(self, model):
         return find_sites(model, "mlp", _is_block)

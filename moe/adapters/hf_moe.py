@@ -98,9 +98,10 @@ def _get(module, path: str):
 
 class StackedMoEAdapter:
     """The families with a linear `gate` router and stacked experts. Each family module makes
-    one instance with its `routing(config, block) -> MoELayer kwargs` and where its shared
-    experts (`shared_attr`), their sigmoid gate (`shared_gate_attr`, a Linear D -> 1) and its
-    selection bias (`selection_bias`, a dotted path to an [E] or [1, E] tensor) live."""
+    one instance (no subclassing) with its `routing(config, block) -> MoELayer kwargs` and
+    where its shared experts (`shared_attr`), their sigmoid gate (`shared_gate_attr`, a
+    Linear D -> 1) and its selection bias (`selection_bias`, a dotted path to an [E] or
+    [1, E] tensor; None: the family has none) live."""
 
     kind = "moe"
 

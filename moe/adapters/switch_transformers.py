@@ -25,6 +25,7 @@ class SwitchAdapter:
     family = "switch_transformers"
     model_types = ("switch_transformers",)
     kind = "moe"
+    selection_bias = None  # no aux-loss-free selection bias in these checkpoints
 
     def sites(self, model):
         return find_sites(model, "mlp", _is_block, _stack)

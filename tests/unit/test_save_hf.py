@@ -119,3 +119,21 @@ def test_converted_model_save_pretrained_and_load_moefied(family, tmp_path):
     back = load_moefied(str(tmp_path))
     assert len(moe_layers(back)) == len(moe_layers(model))
     assert rel_diff(logits(back, family), ours) <= 1e-12
+
+
+def test_moved_selection_bias_without_a_slot_is_refused(tmp_path):
+    """Mixtral checkpoints have no selection bias: after update_selection_bias moved it,
+    save_hf refuses rather than silently dropping it; DeepSeek-V3 writes it back."""
+    model = moefy(build("mixtral"))
+    with torch.no_grad():
+        moe_layers(model)[0][1].router.selection_bias[0] = 0.5
+    with pytest.raises(ValueError, match="selection bias moved.*load_moefied"):
+        save_hf(model, tmp_path / "mixtral")
+    ds = moefy(build("deepseek_v3"))
+    before = logits(ds, "deepseek_v3")
+    with torch.no_grad():
+        moe_layers(ds)[0][1].router.selection_bias.copy_(torch.linspace(-0.6, 0.6, 8))
+    want = logits(ds, "deepseek_v3")
+    assert rel_diff(want, before) > 1e-6  # the new bias changes which experts are chosen
+    save_hf(ds, tmp_path / "ds")
+    assert rel_diff(logits(load(tmp_path / "ds"), "deepseek_v3"), want) <= 1e-10
