@@ -13,6 +13,8 @@ ARCHS = ("gpt", "switch")
 POSITIONS = ("rope", "learned")
 NORMS = ("rmsnorm", "layernorm")
 ROUTERS = ("token_choice", "expert_choice")
+SCORE_FUNCS = ("softmax", "sigmoid")
+BALANCE_LOSSES = ("sequence", "micro_batch", "global_batch")
 _DROPLESS_WORDS = ("none", "null", "dropless", "")
 
 
@@ -125,6 +127,16 @@ class MoEConfig:
     jitter: float = _help(0.0, "multiplicative input jitter on router inputs during training (Switch: 0.01)")
     num_shared_experts: int = _help(0, "always-on shared experts added to the routed output (DeepSeek-MoE)")
     bias_update_rate: float = _help(0.0, "aux-loss-free balancing: selection-bias step per update; 0 = off")
+    score_func: str = _help("softmax", "router scores: 'softmax' or 'sigmoid' (DeepSeek-V3); gates come from them")
+    norm_topk_prob: Optional[bool] = _help(None, "renormalise the k selected gates: unset = iff top_k >= 2; true/false forces it")
+    n_group: int = _help(1, "group-limited routing (DeepSeek-V3): experts in n_group groups; 1 = no limit")
+    topk_group: int = _help(0, "groups a token may use, ranked by their top-2 scores; 0 = all n_group")
+    routed_scaling_factor: float = _help(1.0, "multiplies the routed gates (DeepSeek-V3: 2.5)")
+    router_bias: bool = _help(False, "learned bias on the router logits (GPT-OSS, Switch router_bias)")
+    shared_expert_gate: bool = _help(False, "scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
+    swiglu_alpha: float = _help(1.702, "activation='clamped_swiglu' (GPT-OSS): sigmoid slope alpha")
+    swiglu_limit: float = _help(7.0, "activation='clamped_swiglu' (GPT-OSS): clamp limit of gate and up projections")
+    balance_loss: str = _help("sequence", "load-balance loss over: 'sequence', 'micro_batch' or 'global_batch' (all micro-batches and dp ranks of a step)")
 
     def __post_init__(self):
         # normalise what we can; leave junk in place for validate() to report
@@ -153,6 +165,25 @@ class MoEConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"moe.{n}={v!r} must be an integer >= 0")
         _choice(self, s, "router", ROUTERS)
+        _choice(self, s, "score_func", SCORE_FUNCS)
+        _choice(self, s, "balance_loss", BALANCE_LOSSES)
+        if self.router == "expert_choice" and self.balance_loss != "sequence":
+            raise ValueError(f"moe.balance_loss={self.balance_loss!r} needs moe.router='token_choice'")
+        if self.norm_topk_prob not in (None, True, False):
+            raise ValueError(f"moe.norm_topk_prob={self.norm_topk_prob!r} must be true, false or unset")
+        for n in ("n_group", "topk_group"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if n == "n_group" else 0):
+                raise ValueError(f"moe.{n}={v!r} must be an integer >= {1 if n == 'n_group' else 0}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"moe.topk_group={self.topk_group} exceeds moe.n_group={self.n_group}; "
+                             f"use topk_group <= n_group (0 = all)")
+        if self.n_group > 1 and (self.num_experts % self.n_group or self.num_experts // self.n_group < 2):
+            raise ValueError(f"moe.n_group={self.n_group} must divide moe.num_experts="
+                             f"{self.num_experts} into groups of at least 2 experts")
+        for n in ("routed_scaling_factor", "swiglu_limit"):
+            if not getattr(self, n) > 0:
+                raise ValueError(f"moe.{n}={getattr(self, n)} must be > 0")
         for n in ("aux_loss_coef", "z_loss_coef", "jitter", "bias_update_rate"):
             if getattr(self, n) < 0:
                 raise ValueError(f"moe.{n}={getattr(self, n)} must be >= 0")
@@ -172,6 +203,14 @@ class MoEConfig:
     def resolved_eval_capacity_factor(self):
         e = self.eval_capacity_factor
         return self.capacity_factor if isinstance(e, str) and e.strip().lower() == "same" else e
+
+    def routing_kwargs(self) -> dict:
+        """The MoELayer keyword arguments of the routing options above."""
+        return dict(score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
+                    n_group=self.n_group, topk_group=self.topk_group or None,
+                    routed_scaling_factor=self.routed_scaling_factor, router_bias=self.router_bias,
+                    shared_expert_gate=self.shared_expert_gate, swiglu_alpha=self.swiglu_alpha,
+                    swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

@@ -114,8 +114,11 @@ def make_ffn(model_cfg, moe_cfg, block_idx: int, out_init_std: float, bias: bool
             eval_capacity_factor=moe_cfg.resolved_eval_capacity_factor,
             aux_loss_coef=moe_cfg.aux_loss_coef, z_loss_coef=moe_cfg.z_loss_coef,
             jitter=moe_cfg.jitter, num_shared_experts=moe_cfg.num_shared_experts,
-            expert_bias=bias, init_std=m.init_std, out_init_std=out_init_std)
-    ffn = DenseFFN(m.d_model, m.d_ff, m.activation, bias, m.init_std)
+            expert_bias=bias, init_std=m.init_std, out_init_std=out_init_std,
+            **moe_cfg.routing_kwargs())
+    glu = {} if moe_cfg is None else dict(swiglu_alpha=moe_cfg.swiglu_alpha,
+                                          swiglu_limit=moe_cfg.swiglu_limit)
+    ffn = DenseFFN(m.d_model, m.d_ff, m.activation, bias, m.init_std, **glu)
     # DenseFFN has no out_init_std argument; its bank reads this attribute in reset_parameters
     ffn.bank.out_init_std = out_init_std
     return ffn

@@ -63,3 +63,17 @@ def inject_aux_loss(model) -> list:
         handles.append(layer.register_forward_hook(_inject_hook))
         setattr(layer, _FLAG, True)
     return handles
+
+
+def set_balance_group(model, group) -> None:
+    """Hand every MoELayer the data-parallel group its micro_batch/global_batch balance
+    losses count tokens over (moe/balance.py); None: this process only."""
+    for _, layer in moe_layers(model):
+        layer.set_balance_group(group)
+
+
+def reset_balance_windows(model) -> None:
+    """Start a new global_batch balance window in every MoELayer: call once per optimizer
+    step, before its first micro-batch."""
+    for _, layer in moe_layers(model):
+        layer.reset_balance_window()

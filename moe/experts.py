@@ -7,7 +7,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# name -> (activation, gated). Gated variants compute act(x @ w1) * (x @ w3).
+from .glu import CLAMPED_SWIGLU, clamped_swiglu
+
+# name -> (activation, gated). Gated variants compute act(x @ w1) * (x @ w3), except
+# clamped_swiglu (GPT-OSS, moe/glu.py), whose gate/up function runs on the plain-op path.
 ACTIVATIONS = {
     "gelu": (F.gelu, False),
     "gelu_tanh": (lambda h: F.gelu(h, approximate="tanh"), False),
@@ -16,6 +19,7 @@ ACTIVATIONS = {
     "swiglu": (F.silu, True),
     "geglu": (F.gelu, True),
     "geglu_tanh": (lambda h: F.gelu(h, approximate="tanh"), True),  # T5 v1.1, Gemma
+    CLAMPED_SWIGLU: (None, True),
 }
 
 
@@ -141,6 +145,9 @@ class _GroupedFFN(torch.autograd.Function):
 def grouped_ffn(x_ND, counts, activation, w1, w2, w3=None, b1=None, b2=None, b3=None):
     """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND, all in one node."""
     act_fn, gated = ACTIVATIONS[activation]
+    if act_fn is None:
+        raise ValueError(f"activation={activation!r} has no fused kernel; use ExpertBank, which "
+                         f"runs it on its plain-op path")
     if sum(counts) != x_ND.shape[0]:
         raise ValueError(f"counts sum to {sum(counts)} but x_ND has {x_ND.shape[0]} rows; "
                          "counts[e] must be the number of rows of expert e")
@@ -153,15 +160,20 @@ class ExpertBank(nn.Module):
 
     `forward(x_ND, counts)` runs expert e on rows [sum(counts[:e]), sum(counts[:e+1])); an
     expert with no rows costs nothing. Optional biases b1 [E, F], b2 [E, D], b3 [E, F] exist so
-    dense FFNs with biases (GPT-2, BERT) can be upcycled exactly.
+    dense FFNs with biases (GPT-2, BERT, GPT-OSS experts) can be held exactly.
+    activation="clamped_swiglu" (GPT-OSS) uses swiglu_alpha and swiglu_limit (moe/glu.py).
     """
 
     def __init__(self, num_local: int, d_model: int, d_ff: int, activation: str = "gelu",
-                 bias: bool = False, init_std: float = 0.02, out_init_std=None):
+                 bias: bool = False, init_std: float = 0.02, out_init_std=None, *,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
         super().__init__()
         check_activation(activation)
+        if not swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit={swiglu_limit!r} must be > 0 (GPT-OSS uses 7.0)")
         self.activation = activation
         self.act_fn, self.gated = ACTIVATIONS[activation]
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
@@ -196,6 +208,8 @@ class ExpertBank(nn.Module):
             raise ValueError(f"counts has {len(counts)} entries for {self.num_local} local experts")
         params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
         dev = x_ND.device.type
+        if self.act_fn is None:  # clamped_swiglu: no fused kernel for it
+            return self._forward_ops(x_ND, counts)
         if torch.is_autocast_enabled(dev) and _plain(x_ND, params, same_dtype=False):
             # autocast would run every matmul in its low dtype: cast once (differentiably,
             # so fp32 master weights get fp32 grads) and run the fused path with it off
@@ -219,9 +233,13 @@ class ExpertBank(nn.Module):
             if counts[e] == 0:
                 continue
             h_nF = x_nD @ w1[e] if b1 is None else torch.addmm(b1[e], x_nD, w1[e])
-            h_nF = self.act_fn(h_nF)
+            h3_nF = None
             if self.gated:
-                h_nF = h_nF * (x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e]))
+                h3_nF = x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e])
+            if self.act_fn is None:
+                h_nF = clamped_swiglu(h_nF, h3_nF, self.swiglu_alpha, self.swiglu_limit)
+            else:
+                h_nF = self.act_fn(h_nF) if h3_nF is None else self.act_fn(h_nF) * h3_nF
             outs.append(h_nF @ w2[e] if b2 is None else torch.addmm(b2[e], h_nF, w2[e]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -234,13 +252,23 @@ def _plain(x_ND, params, same_dtype: bool = True) -> bool:
 
 
 class DenseFFN(nn.Module):
-    """A plain FFN with the same activations (used for dense blocks and shared experts)."""
+    """A plain FFN with the same activations (used for dense blocks and shared experts).
+
+    output_gate=True adds `gate` [1, D]: the output is scaled per token by sigmoid(x @ gate.T)
+    (Qwen2-MoE's shared_expert_gate).
+    """
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = False,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, *, output_gate: bool = False, **glu_kwargs):
         super().__init__()
-        self.bank = ExpertBank(1, d_model, d_ff, activation, bias, init_std)
+        self.bank = ExpertBank(1, d_model, d_ff, activation, bias, init_std, **glu_kwargs)
+        self.gate = nn.Parameter(torch.empty(1, d_model)) if output_gate else None
+        if self.gate is not None:
+            nn.init.normal_(self.gate, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        return self.bank(x_TD, [x_TD.shape[0]]).reshape(x.shape)
+        y_TD = self.bank(x_TD, [x_TD.shape[0]])
+        if self.gate is not None:
+            y_TD = torch.sigmoid(x_TD @ self.gate.to(x_TD.dtype).t()) * y_TD
+        return y_TD.reshape(x.shape)

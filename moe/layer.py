@@ -7,9 +7,12 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function  # named ranges for traces; ~free when not profiling
 
+from .balance import (all_reduce_stats, check_balance_loss, local_terms, pooled_balance_loss,
+                      sequence_balance_loss)
 from .dispatcher import LocalDispatcher
 from .experts import DenseFFN, ExpertBank, check_activation
 from .router import ROUTER_KINDS, Router
+from .scoring import SCORE_FUNCS, check_group_args
 from .stats import RoutingStats
 
 
@@ -36,6 +39,45 @@ def _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_capacit
         raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
 
 
+def _check_routing_args(router, top_k, num_experts, capacity_factor, score_func, norm_topk_prob,
+                        n_group, topk_group, routed_scaling_factor, expert_capacity,
+                        num_shared_experts, shared_expert_gate) -> int:
+    """Validate the routing options; returns topk_group resolved (None -> n_group)."""
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func={score_func!r} is not supported; use one of {SCORE_FUNCS}")
+    if norm_topk_prob not in (None, True, False):
+        raise ValueError(f"norm_topk_prob={norm_topk_prob!r} must be None (renormalise iff "
+                         f"top_k >= 2), True or False")
+    topk_group = check_group_args(num_experts, top_k, n_group, topk_group)
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
+            or not routed_scaling_factor > 0:
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a positive number")
+    if expert_capacity is not None:
+        if not _is_int(expert_capacity) or expert_capacity < 1:
+            raise ValueError(f"expert_capacity={expert_capacity!r} must be a positive integer or None")
+        if capacity_factor is not None:
+            raise ValueError(f"expert_capacity={expert_capacity} and capacity_factor="
+                             f"{capacity_factor} both set the capacity; pass only one")
+    if router == "expert_choice":
+        if n_group > 1:
+            raise ValueError(f"n_group={n_group} limits each token's experts to some groups, but "
+                             f"router='expert_choice' lets experts pick tokens; use n_group=1 "
+                             f"or router='token_choice'")
+        if norm_topk_prob:
+            raise ValueError("norm_topk_prob=True renormalises a token's top-k gates, which "
+                             "router='expert_choice' does not have; leave it None")
+    if shared_expert_gate and num_shared_experts == 0:
+        raise ValueError("shared_expert_gate=True needs shared experts; set num_shared_experts >= 1")
+    return topk_group
+
+
+def _mask_GS(token_mask, shape, x_GSD):
+    if tuple(token_mask.shape) != tuple(shape[:-1]):
+        raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; it must be the input's "
+                         f"shape without the last dim, {tuple(shape[:-1])}")
+    return token_mask.reshape(x_GSD.shape[:2]).to(device=x_GSD.device, dtype=torch.bool)
+
+
 class MoELayer(nn.Module):
     """Sparse FFN: y = sum over the token's selected experts of gate_e * expert_e(x).
 
@@ -44,6 +86,32 @@ class MoELayer(nn.Module):
     each expert at ceil(cf * S * K / E) assignments per routing group (a sequence), dropped
     assignments contribute zero. `aux_loss` holds the weighted aux losses of the last forward,
     `last_stats` its routing statistics.
+
+    Routing options (keyword-only; the defaults are the behaviour above):
+      score_func: "softmax" (default) or "sigmoid" (DeepSeek-V3): the router scores that gates
+          come from; the selection bias is added to these scores for selection only.
+      norm_topk_prob: None = renormalise the k selected gates iff top_k >= 2; True/False forces
+          it for any k (Mixtral k=1: True gives gate 1.0; OLMoE, Qwen1.5/2-MoE: False).
+      n_group, topk_group: group-limited top-k (DeepSeek-V3): experts split into n_group
+          contiguous groups, only the topk_group groups with the largest sum of their top-2
+          biased scores are eligible. n_group=1 (default): no limit.
+      routed_scaling_factor: multiplies the gates after normalisation (DeepSeek-V3), so the
+          expert weights stay those of the checkpoint. Default 1.0.
+      router_bias: a learned bias [E] on the router logits (GPT-OSS, Switch router_bias).
+      shared_expert_gate: the shared experts' output is scaled by sigmoid(x @ gate.T), with
+          `shared_experts.gate` [1, D] (Qwen2-MoE); needs num_shared_experts >= 1.
+      swiglu_alpha, swiglu_limit: constants of activation="clamped_swiglu" (GPT-OSS experts).
+      logits_dtype, score_dtype: pin the dtype of the router logits / scores (e.g. "float32"),
+          to reproduce checkpoints that route in fp32 whatever the model dtype. None: at least
+          fp32, and fp64 for fp64 inputs.
+      expert_capacity: a fixed number of assignments per expert per routing group, in train
+          and eval (Switch checkpoints' expert_capacity); instead of capacity_factor.
+      balance_loss: "sequence" (default), "micro_batch" or "global_batch": the tokens the
+          load-balance loss averages over (moe/balance.py). The last two count over the
+          ranks of `set_balance_group(group)`; "global_batch" also over the micro-batches
+          since `reset_balance_window()`.
+    `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
+    count in the balance loss (False: padding); every token is still routed and computed.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
@@ -51,23 +119,45 @@ class MoELayer(nn.Module):
                  router: str = "token_choice", eval_capacity_factor="same",
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, jitter: float = 0.0,
                  num_shared_experts: int = 0, shared_d_ff=None, expert_bias: bool = False,
-                 init_std: float = 0.02, out_init_std=None):
+                 init_std: float = 0.02, out_init_std=None, score_func: str = "softmax",
+                 norm_topk_prob=None, n_group: int = 1, topk_group=None,
+                 routed_scaling_factor: float = 1.0, router_bias: bool = False,
+                 shared_expert_gate: bool = False, swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0, logits_dtype=None, score_dtype=None,
+                 expert_capacity=None, balance_loss: str = "sequence"):
         super().__init__()
         eval_cf = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
         _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_cf, router,
                     num_shared_experts)
+        topk_group = _check_routing_args(
+            router, top_k, num_experts, capacity_factor, score_func, norm_topk_prob, n_group,
+            topk_group, routed_scaling_factor, expert_capacity, num_shared_experts,
+            shared_expert_gate)
         check_activation(activation)
+        check_balance_loss(balance_loss, router)
+        self.balance_loss = balance_loss
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_cf
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = Router(d_model, num_experts, top_k, router, jitter, init_std)
+        self.router = Router(d_model, num_experts, top_k, router, jitter, init_std,
+                             score_func=score_func, norm_topk_prob=norm_topk_prob,
+                             n_group=n_group, topk_group=topk_group,
+                             routed_scaling_factor=routed_scaling_factor,
+                             router_bias=router_bias, logits_dtype=logits_dtype,
+                             score_dtype=score_dtype, expert_capacity=expert_capacity)
+        glu = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.experts = ExpertBank(num_experts, d_model, d_ff, activation, expert_bias,
-                                  init_std, out_init_std)
+                                  init_std, out_init_std, **glu)
         self.shared_experts = None
         if num_shared_experts > 0:
             self.shared_experts = DenseFFN(d_model, (shared_d_ff or d_ff) * num_shared_experts,
-                                           activation, expert_bias, init_std)
+                                           activation, expert_bias, init_std,
+                                           output_gate=shared_expert_gate, **glu)
         self.dispatcher = LocalDispatcher(num_experts)
+        # global_batch: assignments per expert and token count since reset_balance_window()
+        self.register_buffer("balance_window", torch.zeros(num_experts + 1, dtype=torch.long),
+                             persistent=False)
+        self.balance_group = None
         self.ep_group = None
         self.aux_loss = torch.zeros(())
         self.aux_losses = {}
@@ -80,7 +170,17 @@ class MoELayer(nn.Module):
         from .ep_dispatcher import shard_layer_experts  # moe/ep_dispatcher.py
         shard_layer_experts(self, ep_group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def set_balance_group(self, group) -> None:
+        """Data-parallel ranks over which micro_batch/global_batch balance losses count tokens
+        (None: this process only). Handed in by the parallel setup, never read from a global."""
+        self.balance_group = group
+
+    def reset_balance_window(self) -> None:
+        """Start a new global_batch window (call once per optimizer step, before its first
+        micro-batch)."""
+        self.balance_window.zero_()
+
+    def forward(self, x: torch.Tensor, token_mask=None) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects input of shape [..., d_model={self.d_model}], "
                              f"got {tuple(x.shape)}")
@@ -92,6 +192,10 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with record_function("moe.router"):
             routing = self.router(x_GSD, cf)
+            if routing.probs_GSE is not None and (token_mask is not None or self.balance_group
+                                                  is not None or self.balance_loss != "sequence"):
+                mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)
+                routing.aux_losses["load_balance"] = self._balance(routing, mask_GS)
         x_TD = x_GSD.reshape(-1, D)
         with record_function("moe.dispatch"):
             x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
@@ -104,6 +208,18 @@ class MoELayer(nn.Module):
                 y_TD = y_TD + self.shared_experts(x_TD)
         self._record(routing)
         return y_TD.reshape(shape)
+
+    def _balance(self, routing, mask_GS):
+        probs_GSE, ids_GSK = routing.probs_GSE, routing.ids_GSK
+        if self.balance_loss == "sequence":
+            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.balance_group)
+        stats, psum_E = local_terms(probs_GSE, ids_GSK, mask_GS)
+        stats, world = all_reduce_stats(stats, self.balance_group)
+        f_stats = stats
+        if self.balance_loss == "global_batch" and self.training:
+            self.balance_window += stats.to(self.balance_window.device)
+            f_stats = self.balance_window
+        return pooled_balance_loss(psum_E, f_stats, int(stats[-1]), world, self.top_k)
 
     def _record(self, routing) -> None:
         self.aux_losses = routing.aux_losses

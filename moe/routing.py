@@ -1,6 +1,6 @@
 """The result of routing one batch: a flat list of (token, expert, gate) assignments.
 
-Shapes: T tokens, E experts, K top-k, A assignments.
+Shapes: T tokens, E experts, K top-k, A assignments, G routing groups, S tokens per group.
 Token-choice routing gives A <= T*K assignments with slot = t*K + k (the combine sums the K
 slots of each token in a fixed order, deterministic on every device); expert-choice gives
 A = groups*E*C assignments with no slots (combine sums each token's rows in expert order).
@@ -22,6 +22,8 @@ class Routing:
     routed_E: torch.Tensor      # long [E]: assignments each expert was chosen for, before capacity
     aux_losses: dict            # name -> unweighted scalar loss
     entropy: torch.Tensor       # fp32 scalar: mean per-token entropy of router probabilities
+    probs_GSE: Optional[torch.Tensor] = None  # scores as a distribution (balance-loss P), token choice
+    ids_GSK: Optional[torch.Tensor] = None    # long: chosen experts before capacity, token choice
 
     @property
     def kept_E(self) -> torch.Tensor:

@@ -8,7 +8,9 @@ forward, loss, generate() and save_pretrained() keep working.
 Save / reload route: `model.save_pretrained(dir)` works unchanged (moefy records its
 arguments as `config.moekit` in config.json); reload with `load_moefied(dir)`, which builds
 the dense model from the config, moefies it the same way and loads the saved state dict.
-Plain `from_pretrained` would build the dense model and cannot load MoE weights.
+Plain `from_pretrained` would build the dense model and cannot load MoE weights; for that,
+`save_hf(model, dir)` (moe/export.py) writes a converted MoE model back in its own
+architecture, and an upcycled Llama/Mistral/Qwen2 as Mixtral/Qwen2-MoE where they match.
 """
 import json
 import os
@@ -17,6 +19,8 @@ import torch
 
 from .adapters import adapter_for
 from .aux import inject_aux_loss, moe_layers
+from .convert import convert_moe_blocks, explicit_args, is_moe_adapter
+from .export import save_hf  # noqa: F401  (moe.swap.save_hf is the public name)
 from .layer import MoELayer
 from .upcycle import upcycle_layer
 
@@ -57,20 +61,31 @@ def _selected(sites: list, every: int) -> list:
     return chosen
 
 
-def moefy(model, num_experts: int, top_k: int, every: int = 1, capacity_factor=None,
-          upcycle: bool = True, *, family=None, adapter=None, router_init_std: float = 1e-3,
+def moefy(model, num_experts=None, top_k=None, every: int = 1, capacity_factor=None,
+          upcycle=None, *, family=None, adapter=None, router_init_std: float = 1e-3,
           inject_aux: bool = False, **moe_kwargs):
-    """Replace, in place, every `every`-th dense FFN of `model` with a moe.MoELayer.
+    """Replace, in place, every `every`-th dense FFN of `model` with a moe.MoELayer; or, for a
+    transformers MoE model (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss,
+    ernie4_5_moe, switch_transformers), convert each sparse block into a MoELayer with the
+    same weights and routing, read from the model's config.
 
     family: force a built-in adapter (default: from model.config.model_type); adapter: your
-    own (see moe/adapters/base.py). upcycle: experts start as copies of the dense FFN and the
-    router small (see moe/upcycle.py); else MoELayer's own init. inject_aux: aux losses reach
-    backward without changing the training code (moe/aux.py). Other keyword arguments go to
-    MoELayer (aux_loss_coef, z_loss_coef, router, jitter, num_shared_experts, ...).
-    Returns the model.
+    own (see moe/adapters/base.py, moe/adapters/hf_moe.py). Dense models need num_experts and
+    top_k. upcycle (dense models, default True): experts start as copies of the dense FFN and
+    the router small (see moe/upcycle.py); else MoELayer's own init. inject_aux: aux losses
+    reach backward without changing the training code (moe/aux.py). Other keyword arguments
+    go to MoELayer (aux_loss_coef, z_loss_coef, router, jitter, num_shared_experts, ...);
+    for an MoE model, one that contradicts its config is an error. Returns the model.
     """
-    _check_args(num_experts, top_k, every, upcycle, moe_kwargs)
     adapter = adapter or adapter_for(model, family)
+    if is_moe_adapter(adapter):
+        return _convert(model, adapter, num_experts, top_k, every, capacity_factor, upcycle,
+                        inject_aux, moe_kwargs)
+    if num_experts is None or top_k is None:
+        raise ValueError(f"moefy on a dense {adapter.family} model needs num_experts and top_k "
+                         f"(e.g. moefy(model, num_experts=8, top_k=2))")
+    upcycle = True if upcycle is None else upcycle
+    _check_args(num_experts, top_k, every, upcycle, moe_kwargs)
     sites = adapter.sites(model)
     if not sites:
         done = " (it already has MoE layers: moefy it only once)" if moe_layers(model) else ""
@@ -99,6 +114,29 @@ def moefy(model, num_experts: int, top_k: int, every: int = 1, capacity_factor=N
     return model
 
 
+def _convert(model, adapter, num_experts, top_k, every, capacity_factor, upcycle, inject_aux,
+             moe_kwargs):
+    if every != 1:
+        raise ValueError(f"moefy got every={every} for a {adapter.family} model: which blocks are "
+                         f"sparse comes from its config; drop the argument")
+    if upcycle:
+        raise ValueError(f"moefy got upcycle=True for a {adapter.family} model, which already has "
+                         f"trained experts; drop the argument")
+    _check_args(num_experts or 1, top_k or 1, every, False, moe_kwargs)
+    convert_moe_blocks(model, adapter, explicit_args(num_experts, top_k, capacity_factor, moe_kwargs))
+    # transformers' own router-logit recording has nothing left to record: the aux losses
+    # now come from the MoELayers (moe.aux); save_hf restores the setting
+    router_logits = getattr(model.config, "output_router_logits", None)
+    if router_logits is not None:
+        model.config.output_router_logits = False
+    setattr(model.config, CONFIG_KEY, {
+        "format": 1, "family": adapter.family, "converted": True, "inject_aux": inject_aux,
+        "output_router_logits": router_logits, "moe_kwargs": dict(moe_kwargs)})
+    if inject_aux:
+        inject_aux_loss(model)
+    return model
+
+
 def _read_state_dict(path: str) -> dict:
     from safetensors.torch import load_file
     single = os.path.join(path, "model.safetensors")
@@ -117,6 +155,29 @@ def _read_state_dict(path: str) -> dict:
         return torch.load(legacy, map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"{path} holds no model.safetensors[.index.json] or "
                             f"pytorch_model.bin; save with model.save_pretrained({path!r})")
+
+
+def _undo_renames(state: dict, wanted: set) -> dict:
+    """Undo module renames transformers' save_pretrained applies for some families (e.g.
+    Mixtral's `mlp` is written as `block_sparse_moe`): a saved key the model lacks is mapped
+    to the one key the model expects that differs from it in exactly one path component."""
+    unknown = [k for k in state if k not in wanted]
+    if not unknown:
+        return state
+    open_keys = wanted - set(state)
+    by_shape = {}
+    for k in open_keys:
+        parts = k.split(".")
+        for i in range(len(parts)):
+            by_shape.setdefault((i, tuple(parts[:i]), tuple(parts[i + 1:])), []).append(k)
+    out = dict(state)
+    for k in unknown:
+        parts = k.split(".")
+        hits = {m for i in range(len(parts))
+                for m in by_shape.get((i, tuple(parts[:i]), tuple(parts[i + 1:])), [])}
+        if len(hits) == 1:
+            out[hits.pop()] = out.pop(k)
+    return out
 
 
 def _tied_keys(model) -> set:
@@ -138,13 +199,18 @@ def load_moefied(path: str, adapter=None):
         raise ValueError(f"{path}/config.json names architectures={arch!r}, which transformers "
                          f"does not export; save with model.save_pretrained")
     model = cls(config)   # fresh init, overwritten by the saved weights below
-    moefy(model, section["num_experts"], section["top_k"], section["every"],
-          section["capacity_factor"], upcycle=False, family=section["family"],
-          adapter=adapter, inject_aux=section["inject_aux"], **section["moe_kwargs"])
+    if section.get("converted"):
+        moefy(model, family=section["family"], adapter=adapter, inject_aux=section["inject_aux"],
+              **section["moe_kwargs"])
+    else:
+        moefy(model, section["num_experts"], section["top_k"], section["every"],
+              section["capacity_factor"], upcycle=False, family=section["family"],
+              adapter=adapter, inject_aux=section["inject_aux"], **section["moe_kwargs"])
     state = _read_state_dict(path)
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         model.to(dtypes.pop())
+    state = _undo_renames(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in _tied_keys(model)]
     if missing or unexpected:

@@ -1,12 +1,18 @@
 """Built-in family adapters for moe.moefy (see base.py for what an adapter is).
 
 To add a family: write moe/adapters/<family>.py defining ADAPTER (an object with `family`,
-`model_types`, `sites`, `spec`, `dense_weights`, `install`), and add it to BUILTIN below; or
-pass it directly: moefy(model, ..., adapter=MyAdapter()).
+`model_types`, `sites`, `spec`, `dense_weights`, `install`; for a family that already has
+MoE blocks: kind="moe", `sites`, `layer_kwargs`, `load`, `install`, `export`, see
+hf_moe.py), and add it to BUILTIN below; or pass it directly: moefy(model, adapter=...).
 """
-from . import bert, gpt2, llama, mistral, qwen2, t5
+from . import (bert, deepseek_v3, ernie4_5_moe, gpt2, gpt_oss, llama, mistral, mixtral, qwen2,
+               qwen_moe, switch_transformers, t5)
 
-BUILTIN = tuple(m.ADAPTER for m in (gpt2, llama, mistral, qwen2, bert, t5))
+# dense families (moefy swaps FFNs for new MoE layers), then MoE families (moefy converts
+# their sparse blocks, see moe/adapters/hf_moe.py)
+BUILTIN = tuple(m.ADAPTER for m in (gpt2, llama, mistral, qwen2, bert, t5)) + (
+    mixtral.ADAPTER, qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, qwen_moe.OLMOE, deepseek_v3.ADAPTER,
+    gpt_oss.ADAPTER, ernie4_5_moe.ADAPTER, switch_transformers.ADAPTER)
 
 
 def supported_families() -> list:
