@@ -102,7 +102,7 @@ def _moe_args(moe_cfg, upcycle: bool) -> dict:
                 eval_capacity_factor=moe_cfg.resolved_eval_capacity_factor,
                 router=moe_cfg.router, aux_loss_coef=moe_cfg.aux_loss_coef,
                 z_loss_coef=moe_cfg.z_loss_coef, jitter=moe_cfg.jitter,
-                num_shared_experts=moe_cfg.num_shared_experts)
+                num_shared_experts=moe_cfg.num_shared_experts, **moe_cfg.routing_kwargs())
     if moe_cfg.d_ff:
         if upcycle:
             raise ValueError("moe.d_ff must be 0 (= the dense FFN's size) when upcycling from "

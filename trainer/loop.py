@@ -18,7 +18,7 @@ import torch.distributed as dist
 import models
 from data.prepare import prepared_dir
 from data.sampler import BatchSampler, eval_indices, open_split
-from moe.aux import collect_aux_loss
+from moe.aux import collect_aux_loss, reset_balance_windows
 from moe.stats import merge_stats
 from parallel.apply import parallelize
 from parallel.ledger import model_state_bytes
@@ -205,6 +205,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         idx = self.sampler.next_indices()
         batch = self.task.prepare(self.train_file.batch(idx), idx)
+        reset_balance_windows(self.model)  # global_batch balance: one window per optimizer step
         if self.par.pipeline is not None:
             return self._pipeline_step(batch)
         mb = self.cfg.train.micro_batch_size or len(idx)
