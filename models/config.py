@@ -9,41 +9,27 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from moe.capacity import parse_capacity_factor
+from moe.balance import BALANCE_LOSSES
+from moe.router import ROUTER_KINDS as ROUTERS
+from moe.scoring import SCORE_FUNCS
+
 ARCHS = ("gpt", "switch")
 POSITIONS = ("rope", "learned")
 NORMS = ("rmsnorm", "layernorm")
-ROUTERS = ("token_choice", "expert_choice")
-SCORE_FUNCS = ("softmax", "sigmoid")
-BALANCE_LOSSES = ("sequence", "micro_batch", "global_batch")
-_DROPLESS_WORDS = ("none", "null", "dropless", "")
 
 
-def _help(default, text: str):
+def help_field(default, text: str):
+    """A dataclass field with its one-line help (listed by --help); the one helper for it."""
     return field(default=default, metadata={"help": text})
+
+
+_help = help_field
 
 
 def field_help(cls) -> dict:
     """{field name: one-line help} for a config dataclass (class or instance)."""
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
-
-
-def parse_capacity_factor(value, name: str):
-    """None/0/"none"/"dropless" -> None (dropless); a positive number -> float."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in _DROPLESS_WORDS):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r} is not a number; use a positive float "
-                             f"(e.g. 1.25), or 0 / \"none\" for dropless") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r} must be a positive float, or 0 / \"none\" for dropless")
-    if value == 0:
-        return None
-    if value < 0:
-        raise ValueError(f"{name}={value} is negative; use a positive float, or 0 / \"none\" for dropless")
-    return float(value)
 
 
 def _positive_int(cfg, section: str, names) -> None:

@@ -10,18 +10,19 @@ the trainer's tasks apply unchanged:
   t5: forward(input_ids_BS, decoder_input_ids_BT) -> logits_BTV, task "switch" (span corruption)
 """
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from moe.swap import CONFIG_KEY, load_moefied, moefy
 
+from .config import help_field
+
 TASKS = {"gpt2": "gpt", "llama": "gpt", "mistral": "gpt", "qwen2": "gpt", "t5": "switch"}
 
 
-def _f(default, help: str):
-    return field(default=default, metadata={"help": help})
+_f = help_field
 
 
 @dataclass

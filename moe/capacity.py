@@ -33,3 +33,28 @@ def capacity_keep_mask(ids_GSK: torch.Tensor, num_experts: int, capacity: int) -
     pos_A[order_A] = pos_sorted_A
     keep_GKS = (pos_A < capacity).reshape(G, K, S)
     return keep_GKS.transpose(1, 2).contiguous()
+
+
+_DROPLESS_WORDS = ("none", "null", "dropless", "")
+
+
+def check_capacity_factor(cf, name: str) -> None:
+    """The one capacity-factor check: None (dropless) or a positive number."""
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
+        raise ValueError(f"{name}={cf!r} must be a positive number, or None for dropless")
+
+
+def parse_capacity_factor(value, name: str):
+    """A config spelling -> None (dropless: None/0/"none"/"dropless") or a positive float."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _DROPLESS_WORDS):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number; use a positive float "
+                             f"(e.g. 1.25), or 0 / \"none\" for dropless") from None
+    if value == 0 and not isinstance(value, bool):
+        return None
+    check_capacity_factor(value, name)
+    return float(value)

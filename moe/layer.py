@@ -9,6 +9,7 @@ from torch.profiler import record_function  # named ranges for traces; ~free whe
 
 from .balance import (all_reduce_stats, check_balance_loss, local_terms, pooled_balance_loss,
                       sequence_balance_loss)
+from .capacity import check_capacity_factor
 from .dispatcher import LocalDispatcher
 from .experts import DenseFFN, ExpertBank, check_activation
 from .router import ROUTER_KINDS, Router
@@ -31,8 +32,7 @@ def _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_capacit
         raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}; "
                          f"use top_k <= num_experts")
     for name, cf in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
-            raise ValueError(f"{name}={cf!r} must be a positive number, or None for dropless")
+        check_capacity_factor(cf, name)
     if router not in ROUTER_KINDS:
         raise ValueError(f"router={router!r} is not supported; use one of {ROUTER_KINDS}")
     if num_shared_experts < 0:

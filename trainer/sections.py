@@ -2,11 +2,12 @@
 parallel.plan). Every field has a one-line help in its metadata (shown by --help) and a
 default that trains on a laptop CPU in a few minutes.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from models.config import help_field
 
 
-def _f(default, help: str):
-    return field(default=default, metadata={"help": help})
+_f = help_field
 
 
 @dataclass
