@@ -261,7 +261,8 @@ def validate(cfg: Config, world_size: int):
             check = getattr(getattr(cfg, name), "validate", None)
             if check is not None:
                 check()
-        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size)
+        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size,
+                                     cfg.data.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_batching(cfg, plan)
