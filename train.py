@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         if env_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
+        from trainer.launcher import record_error_line
+        record_error_line(f"error: {e}")  # shown in torchrun's failure summary
         return 2
     except KeyboardInterrupt:
         if env_rank() == 0:
@@ -66,4 +68,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.launcher import with_traceback_record
+    sys.exit(with_traceback_record(main)())
