@@ -5,6 +5,10 @@
     torchrun --nproc-per-node 2 train.py parallel.dp=2 [...]
 
 Without --config the built-in defaults run (the same values as configs/default.toml).
+Run directories: each run writes to a new runs/<config name>-NNN (run.dir=auto, printed at
+start), so the same command can run again; train.resume=true then continues the newest of
+them that holds a checkpoint (none: starts from step 0 and says so). An explicit
+run.dir=PATH that already holds a run needs train.resume=true or run.overwrite=true.
 `python train.py --help` lists every section and field with its default and meaning.
 """
 import sys
