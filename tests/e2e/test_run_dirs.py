@@ -52,3 +52,14 @@ def test_config_error_under_torchrun_is_the_summarys_root_cause(tmp_path):
     assert out.returncode != 0
     assert out.stderr.count(line) == 3          # rank 0's own line + one per failed worker
     assert not (tmp_path / "runs").exists()     # checked before any run directory is made
+
+
+def test_torchrun_ranks_share_rank0s_auto_dir(tmp_path):
+    (tmp_path / "runs" / "default-001").mkdir(parents=True)  # taken: the run must use 002
+    out = _run(["parallel.dp=2", "train.steps=2"], tmp_path, tmp_path / "cache", torchrun=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("run dir: runs/default-002 (run.dir=auto, from step 0)") == 1  # rank 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["default-001", "default-002"]
+    run = tmp_path / "runs" / "default-002"
+    assert [r["step"] for r in records(run)] == [1, 2]
+    assert (run / "checkpoints" / "step_00000002" / "COMPLETE").is_file()  # written by both ranks
