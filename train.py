@@ -5,6 +5,10 @@
     torchrun --nproc-per-node 2 train.py parallel.dp=2 [...]
 
 Without --config the built-in defaults run (the same values as configs/default.toml).
+Run directories: each run writes to a new runs/<config name>-NNN (run.dir=auto, printed at
+start), so the same command can run again; train.resume=true then continues the newest of
+them that holds a checkpoint (none: starts from step 0 and says so). An explicit
+run.dir=PATH that already holds a run needs train.resume=true or run.overwrite=true.
 `python train.py --help` lists every section and field with its default and meaning.
 """
 import sys
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         if env_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
+        from trainer.launcher import record_error_line
+        record_error_line(f"error: {e}")  # shown in torchrun's failure summary
         return 2
     except KeyboardInterrupt:
         if env_rank() == 0:
@@ -66,4 +72,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.launcher import with_traceback_record
+    sys.exit(with_traceback_record(main)())

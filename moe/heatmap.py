@@ -1,5 +1,8 @@
 """Expert-load heatmap: one row per MoE layer, one column per expert, colour = share of tokens.
 
+The colour scale diverges at the uniform share 1/E (white): red cells got more than their
+share, blue cells less, so over- and under-loaded experts read at a glance.
+
 Shapes: L layers, E experts (layers with fewer experts are padded with blanks).
 Drawn with matplotlib's Agg canvas directly (no pyplot, no global backend switch), so it
 works headless and inside training processes.
@@ -8,6 +11,7 @@ import math
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 
@@ -25,12 +29,15 @@ def heatmap_figure(share_rows: list, layer_names: list, dead_rows=None, title: s
     fig = Figure(figsize=(min(max(6.5, 3 + 0.45 * E), 18), min(2.2 + 0.4 * L, 14)), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    # colour scale from 0 to twice the uniform share (or the max): uniform sits mid-scale
-    vmax = max(2.0 / E, float(np.nanmax(share_LE)) if np.isfinite(share_LE).any() else 0.0)
-    im = ax.imshow(share_LE, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax,
-                   interpolation="nearest")
+    # 0 .. 1/E .. max (at least 2/E): each side of the uniform share gets half the colour bar
+    uniform = 1.0 / E
+    vmax = max(2.0 * uniform, float(np.nanmax(share_LE)) if np.isfinite(share_LE).any() else 0.0)
+    norm = TwoSlopeNorm(vcenter=uniform, vmin=0.0, vmax=vmax)
+    im = ax.imshow(share_LE, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
     cbar = fig.colorbar(im, ax=ax)
-    cbar.set_label(f"share of tokens\n(uniform 1/E = {1.0 / E:.3f})", fontsize=8)
+    cbar.set_ticks(sorted({0.0, uniform, vmax}))
+    cbar.set_label(f"share of tokens\n(white = uniform 1/E = {uniform:.3f};\nred over, blue under)",
+                   fontsize=8)
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_xticks(range(E))
@@ -41,9 +48,9 @@ def heatmap_figure(share_rows: list, layer_names: list, dead_rows=None, title: s
         for (i, e), v in np.ndenumerate(share_LE):
             if math.isfinite(v) and (i, e) not in dead_cells:
                 ax.text(e, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
-                        color="white" if v < 0.6 * vmax else "black")
+                        color="white" if abs(norm(v) - 0.5) > 0.3 else "black")
     for i, e in dead_cells:
-        ax.text(e, i, "x", ha="center", va="center", fontsize=11, color="cyan")
+        ax.text(e, i, "x", ha="center", va="center", fontsize=11, color="yellow")
     ax.set_title(title or "expert load (% of tokens; x = dead expert)", fontsize=9)
     fig.tight_layout()
     return fig

@@ -4,6 +4,8 @@ moe.shared_experts; recorded by moe/layer.py and parallel/all_to_all.py) and a b
 
 Forward ranges are timed directly; the backward is reported as one total (autograd runs
 it outside the forward's ranges). moe.all_to_all is nested inside moe.dispatch/combine.
+The traced step comes after warm-up steps run without the profiler: the first steps pay for
+allocations, lazy initialisation and cold caches (seconds on a CPU, not the steady state).
 """
 import time
 from pathlib import Path
@@ -15,14 +17,22 @@ PHASES = ("moe.router", "moe.dispatch", "moe.all_to_all", "moe.experts", "moe.co
           "moe.shared_experts")
 
 
-def trace_step(step_fn, out_dir=None, warmup: int = 1) -> dict:
-    """Run `step_fn()` (forward + backward of one batch) under the profiler.
+def trace_step(step_fn, out_dir=None, warmup: int = 2) -> dict:
+    """Run `step_fn()` (forward + backward of one batch) `warmup` times, then once more under
+    the profiler.
 
-    Returns {"step_ms": wall time, "phases": {name: {"ms": total, "calls": n, "share": of
-    step}}}; writes out_dir/trace.json (open in chrome://tracing or Perfetto) if out_dir.
+    Returns {"step": the traced step's number (warmup + 1), "warmup": warmup, "step_ms": its
+    wall time under the profiler, "untraced_ms": the last warm-up step's wall time (None
+    without warm-up), "phases": {name: {"ms": total, "calls": n, "share": of the traced
+    step}}}; writes out_dir/trace.json (chrome://tracing or Perfetto) if out_dir.
     """
-    for _ in range(warmup):  # first-call costs (allocations, lazy init) are not the step
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0 (untraced steps before the traced one)")
+    untraced_ms = None
+    for _ in range(warmup):
+        t0 = time.perf_counter()
         step_fn()
+        untraced_ms = 1e3 * (time.perf_counter() - t0)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
@@ -40,11 +50,15 @@ def trace_step(step_fn, out_dir=None, warmup: int = 1) -> dict:
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(out_dir) / "trace.json"))
-    return {"step_ms": step_ms, "phases": phases}
+    return {"step": warmup + 1, "warmup": warmup, "step_ms": step_ms, "untraced_ms": untraced_ms,
+            "phases": phases}
 
 
 def print_breakdown(result: dict, out) -> None:
-    print(f"one training step: {result['step_ms']:.1f} ms (forward + backward)", file=out)
+    untraced = result.get("untraced_ms")
+    plain = f"; the last warm-up step took {untraced:.1f} ms without it" if untraced else ""
+    print(f"training step {result.get('step', 1)} after {result.get('warmup', 0)} warm-up steps: "
+          f"{result['step_ms']:.1f} ms under the profiler (forward + backward{plain})", file=out)
     print(f"{'phase (forward)':22s} {'ms':>9s} {'calls':>6s} {'% step':>7s}", file=out)
     for name in PHASES:
         r = result["phases"].get(name)

@@ -53,13 +53,15 @@ class ParallelPlan:
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
-    def validate(self, world_size: int, model_cfg=None, moe_cfg=None, batch_size=None) -> "ParallelPlan":
+    def validate(self, world_size: int, model_cfg=None, moe_cfg=None, batch_size=None,
+                 seq_len=None) -> "ParallelPlan":
         """Check the plan and return a copy with dp resolved (dp=-1 -> remaining ranks) and
         microbatches resolved (0 -> pp).
 
         model_cfg / moe_cfg (models.config dataclasses, optional) enable the divisibility checks
         of heads, d_ff, vocab, layers and experts; batch_size (global, in sequences, optional)
-        enables the batch / microbatch checks. Raises ValueError naming `parallel.<field>`.
+        enables the batch / microbatch checks; seq_len (tokens per sequence, optional) the
+        sequence-parallel split under tp. Raises ValueError naming the field and the fix.
         """
         _check_choices(self)
         _check_degrees(self)
@@ -70,6 +72,8 @@ class ParallelPlan:
             _check_model(plan, model_cfg, moe_cfg)
         if batch_size is not None:
             _check_batch(plan, batch_size, _has_moe(moe_cfg))
+        if seq_len is not None:
+            check_seq_len(seq_len, plan.tp, "data.seq_len")
         return plan
 
 
@@ -114,6 +118,15 @@ def _check_degrees(p: ParallelPlan) -> None:
                    f"parallel.pp_schedule=interleaved_1f1b (gpipe/1f1b run one stage per rank)")
 
 
+def check_seq_len(seq_len: int, tp: int, where: str) -> None:
+    """Sequence parallelism splits every sequence into tp equal parts between blocks."""
+    if tp > 1 and seq_len % tp:
+        lower, upper = seq_len - seq_len % tp, seq_len - seq_len % tp + tp
+        raise _err(f"{where}={seq_len} is not divisible by parallel.tp={tp} (sequence parallelism "
+                   f"splits each sequence into tp equal parts); use a multiple of {tp}, e.g. "
+                   f"{lower or upper} or {upper}")
+
+
 def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
     if not isinstance(world_size, int) or world_size < 1:
         raise _err(f"world_size={world_size!r} must be a positive integer")
@@ -121,12 +134,27 @@ def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
     if p.dp == -1:
         if world_size % rest:
             raise _err(f"parallel.tp*pp = {p.tp}*{p.pp} = {rest} does not divide the world size "
-                       f"{world_size}; pick tp and pp whose product divides {world_size}")
+                       f"{world_size}; start a multiple of {rest} processes, or choose tp and pp "
+                       f"whose product divides {world_size} ({_fitting(p, world_size)})")
         return world_size // rest
     if p.dp * rest != world_size:
+        start = f"start {p.dp * rest} processes (torchrun --nproc-per-node {p.dp * rest})"
+        if world_size % rest:  # dp=-1 alone would fail next: name the whole fix at once
+            fix = (f"set parallel.dp=-1 together with {_fitting(p, world_size)} (dp=-1 alone is not "
+                   f"enough: tp*pp = {rest} does not divide {world_size})")
+        else:
+            fix = f"set parallel.dp=-1 (= {world_size // rest} here, the ranks left after tp*pp)"
         raise _err(f"parallel.dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.dp * rest} but the world size is "
-                   f"{world_size}; set parallel.dp=-1 (use the remaining ranks) or change the degrees")
+                   f"{world_size}; {start}, or {fix}")
     return p.dp
+
+
+def _fitting(p: ParallelPlan, world_size: int) -> str:
+    """The largest tp, pp not above the plan's whose product divides the world size
+    (pp is lowered first: tensor parallelism is kept where it fits)."""
+    fits = [(t, q) for t in range(1, p.tp + 1) for q in range(1, p.pp + 1) if world_size % (t * q) == 0]
+    t, q = max(fits, key=lambda tq: (tq[0] * tq[1], tq[0]))
+    return f"parallel.tp={t} parallel.pp={q}"
 
 
 def _check_ep(p: ParallelPlan) -> None:

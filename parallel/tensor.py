@@ -133,6 +133,25 @@ def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
     ffn.register_forward_hook(post)
 
 
+def _check_input(model, group) -> None:
+    """Fail on shapes the tp split cannot take before the embedding's first collective (a bad
+    shape would otherwise abort inside the backend with a size mismatch)."""
+    P = dist.get_world_size(group)
+    has_moe = any(isinstance(m, MoELayer) for m in model.modules())
+
+    def pre(_mod, args):
+        B, S = args[0].shape[0], args[0].shape[-1]
+        if S % P:
+            raise ValueError(f"tensor parallelism: sequence length {S} is not divisible by tp={P} "
+                             f"(sequence parallelism splits each sequence into {P} equal parts); "
+                             f"use sequences of a multiple of {P} tokens (train.py: data.seq_len)")
+        if has_moe and B % P:
+            raise ValueError(f"tensor parallelism: batch of {B} sequences is not divisible by tp={P} "
+                             f"(MoE layers split whole sequences across the tp ranks); use a batch "
+                             f"of a multiple of {P} sequences")
+    model.tok_emb.register_forward_pre_hook(pre, prepend=True)
+
+
 def _split_after_embedding(model, group) -> None:
     def pre(_mod, args):
         return (_SplitSeq.apply(local(args[0]), group),) + tuple(args[1:])
@@ -147,6 +166,7 @@ def apply_tensor_parallel(model: nn.Module, meshes) -> None:
     if model.tok_emb is not None:
         parallelize_module(model.tok_emb, mesh, RowwiseParallel(input_layouts=Replicate(),
                                                                 output_layouts=Replicate()))
+        _check_input(model, group)
         _split_after_embedding(model, group)
     for block in model.blocks:
         _shard_block(block, mesh, group)

@@ -12,6 +12,11 @@ WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   exit 0
 fi
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "[setup] moekit needs Python 3.11+ (the config loader uses tomllib); python3 here is" \
+       "$(python3 -V 2>&1): put a newer python3 first on PATH" >&2
+  exit 2
+fi
 echo "[setup] creating $VENV and installing $TORCH_PIN + moekit[dev] (about a minute)" >&2
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)

@@ -160,6 +160,8 @@ def load_config(path=None, overrides=()) -> Config:
     cfg = Config()
     if path is not None:
         apply_toml(cfg, load_toml(path), str(path))
+    if not cfg.run.name:  # auto run directories are named after the config file
+        cfg.run.name = Path(path).stem if path is not None else "default"
     for item in overrides:
         apply_override(cfg, item)
     return cfg
@@ -215,6 +217,12 @@ def _require(cond: bool, msg: str) -> None:
 
 def _check_own(cfg: Config) -> None:
     t, d, lg, ck = cfg.train, cfg.data, cfg.log, cfg.checkpoint
+    _require(cfg.run.dir != "", "run.dir='' is empty; give a directory, or run.dir=auto for a new "
+                                "runs/<run.name>-NNN")
+    _require(cfg.run.name == "" or ("/" not in cfg.run.name and "\\" not in cfg.run.name
+                                    and cfg.run.name not in (".", "..")),
+             f"run.name={cfg.run.name!r} must be a plain name (it names runs/<run.name>-NNN); "
+             f"to choose the directory itself set run.dir")
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _require(t.batch_size >= 1, f"train.batch_size={t.batch_size} must be >= 1 (global sequences per step)")
     _require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size} must be >= 0 (0 = no accumulation)")
@@ -262,7 +270,8 @@ def validate(cfg: Config, world_size: int):
             check = getattr(getattr(cfg, name), "validate", None)
             if check is not None:
                 check()
-        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size)
+        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size,
+                                     cfg.data.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_batching(cfg, plan)

@@ -31,7 +31,7 @@ from .distributed import barrier, init_distributed, shutdown
 from .metrics import MetricsLogger
 from .model import build_model, init_fn, task_arch
 from .optim import WarmupCosine, build_optimizer
-from .run_dir import clear_run, plan_start
+from .run_dir import clear_run, prepare_run
 from .tasks import Task, sentinels_needed, token_loss
 
 
@@ -76,7 +76,7 @@ def _check_vocab(cfg, data_dir, arch: str) -> None:
 
 def _run(cfg, ctx) -> int:
     plan = validate(cfg, ctx.world_size)
-    resume_from = plan_start(cfg, ctx.world_size)
+    cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0
     run_dir = Path(cfg.run.dir)
     data_dir = _prepare_data(cfg, ctx)
     arch = task_arch(cfg)

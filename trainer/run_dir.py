@@ -1,18 +1,103 @@
 """Deciding what a run directory means before anything is written into it.
 
-A run.dir that already holds a run (checkpoints or metrics) is only touched with
-train.resume=true (continue; the checkpoint must fit this config) or run.overwrite=true
-(start over). Everything else is an error, so a typo never destroys a run.
+run.dir=auto (the default): every run gets a new directory runs/<run.name>-NNN (001, 002, ...),
+created atomically by rank 0 and broadcast, so the same command can run again and keeps
+every earlier run; with train.resume=true it is the newest such directory holding a complete
+checkpoint. An explicit run.dir that already holds a run (a complete checkpoint or a metrics
+record) is only touched with train.resume=true (continue; the checkpoint must fit this
+config) or run.overwrite=true (start over). Everything else is an error, so a typo never
+destroys a run. A run that failed before its first step left nothing to protect.
 """
+import dataclasses
+import re
 import shutil
 from pathlib import Path
+
+import torch.distributed as dist
 
 from . import checkpoint
 from .config import ConfigError, to_dict
 
+AUTO = "auto"
+AUTO_ROOT = Path("runs")
+
 
 def holds_run(run_dir: Path) -> bool:
-    return (run_dir / "metrics.jsonl").exists() or checkpoint.checkpoint_root(run_dir).is_dir()
+    return bool(checkpoint.list_complete(run_dir)) or _has_records(run_dir / "metrics.jsonl")
+
+
+def _has_records(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
+def prepare_run(cfg, ctx):
+    """(cfg with run.dir resolved, the checkpoint to resume from or None); prints the run dir
+    on rank 0. Every rank gets rank 0's choice; ConfigError on every rank for a bad run.dir."""
+    auto = cfg.run.dir == AUTO
+    if auto:
+        path = _on_main(ctx, lambda: str(_auto_dir(cfg)))
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=path))
+    resume_from = plan_start(cfg, ctx.world_size)
+    if ctx.is_main:
+        how = "run.dir=auto, " if auto else ""
+        how += f"resuming {resume_from.name}" if resume_from else "from step 0"
+        print(f"run dir: {cfg.run.dir} ({how})", flush=True)
+        if cfg.train.resume and resume_from is None:
+            where = (f"no {AUTO_ROOT}/{_name(cfg)}-NNN" if auto else f"run.dir={cfg.run.dir!r}")
+            print(f"train.resume=true, but {where} holds a complete checkpoint: starting from "
+                  f"scratch", flush=True)
+    return cfg, resume_from
+
+
+def _name(cfg) -> str:
+    return cfg.run.name or "default"
+
+
+def _numbered(cfg) -> list:
+    """Existing auto directories of this run name as (number, path), oldest first."""
+    pattern = re.compile(re.escape(_name(cfg)) + r"-(\d{3,})")
+    if not AUTO_ROOT.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in AUTO_ROOT.iterdir()
+             if (m := pattern.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def _auto_dir(cfg) -> Path:
+    """The newest directory with a checkpoint (train.resume=true), else a new numbered one.
+    mkdir without exist_ok reserves the name, so concurrent runs never share a directory."""
+    existing = _numbered(cfg)
+    if cfg.train.resume:
+        for _, path in reversed(existing):
+            if checkpoint.latest(path) is not None:
+                return path
+    AUTO_ROOT.mkdir(parents=True, exist_ok=True)
+    n = existing[-1][0] + 1 if existing else 1
+    while True:
+        path = AUTO_ROOT / f"{_name(cfg)}-{n:03d}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def _on_main(ctx, decide):
+    """Run `decide()` on rank 0 and give its result (or its error, as ConfigError) to every rank."""
+    box = [None, None]
+    if ctx.is_main:
+        try:
+            box[0] = decide()
+        except OSError as e:
+            box[1] = f"cannot create a run directory under {AUTO_ROOT}/: {e}; set run.dir to a writable path"
+    if ctx.distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    return box[0]
 
 
 def plan_start(cfg, world_size: int):
@@ -28,7 +113,8 @@ def plan_start(cfg, world_size: int):
     if not cfg.train.resume:
         what = f"a checkpoint at step {checkpoint.read_trainer_state(last)['step']}" if last else "a run"
         raise ConfigError(f"run.dir={cfg.run.dir!r} already holds {what}; pass train.resume=true to "
-                          f"continue it, run.overwrite=true to start over, or another run.dir")
+                          f"continue it, run.overwrite=true to start over, or another run.dir "
+                          f"(run.dir=auto: a new {AUTO_ROOT}/{_name(cfg)}-NNN)")
     if last is None:
         return None  # a run that died before its first checkpoint: start again
     saved = checkpoint.read_trainer_state(last)

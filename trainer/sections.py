@@ -12,7 +12,10 @@ _f = help_field
 
 @dataclass
 class RunConfig:
-    dir: str = _f("runs/default", "run directory: checkpoints/, metrics.jsonl, tb/ (TensorBoard), config.toml")
+    dir: str = _f("auto", "run directory: checkpoints/, metrics.jsonl, tb/ (TensorBoard), config.toml; "
+                          "auto = a new runs/<run.name>-NNN for every run (printed at start)")
+    name: str = _f("", "names the auto run directories runs/<name>-NNN; empty = the --config file's "
+                       "name (configs/layout_tp2.toml -> layout_tp2), or 'default' without --config")
     device: str = _f("auto", "auto (cuda when available, else cpu) | cpu | cuda")
     overwrite: bool = _f(False, "start over in a run.dir that already holds a run (deletes its checkpoints and logs)")
     dist_timeout_s: int = _f(300, "process-group timeout in seconds (a hung collective fails after this)")
@@ -34,7 +37,8 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 = no clipping")
     eval_every: int = _f(50, "evaluate the validation loss every N steps (and at the end); 0 = never")
     eval_batches: int = _f(4, "validation batches (of train.batch_size sequences) per evaluation")
-    resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir")
+    resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir; with run.dir=auto, "
+                             "in the newest runs/<run.name>-NNN that has one (none: starts from step 0 and says so)")
     loss_scale_init: float = _f(65536.0, "parallel.precision=fp16 only: initial loss scale; halved (and the step skipped) on a gradient overflow, doubled after 1000 clean steps")
 
 

@@ -103,3 +103,44 @@ def test_gpipe_accepts_fewer_microbatches_and_dense_tp_needs_no_batch_split():
     ParallelPlan(pp=2, pp_schedule="gpipe", microbatches=1).validate(2, MODEL, MOE, 4)
     dense = MoEConfig(num_experts=8, top_k=2, every=0)
     ParallelPlan(tp=2).validate(2, MODEL, dense, 1)
+
+
+@pytest.mark.parametrize("tp, seq_len, ok", [(2, 127, False), (4, 126, False), (2, 128, True),
+                                             (1, 127, True)])
+def test_seq_len_must_split_evenly_over_tp(tp, seq_len, ok):
+    plan = ParallelPlan(tp=tp)
+    if ok:
+        plan.validate(tp, MODEL, MOE, 8, seq_len)
+        return
+    with pytest.raises(ValueError, match=rf"data\.seq_len={seq_len} is not divisible by parallel\.tp={tp}"):
+        plan.validate(tp, MODEL, MOE, 8, seq_len)
+
+
+def _suggested(msg: str) -> dict:
+    """The `parallel.X=N` settings a message proposes, as a dict."""
+    import re
+    return {k: int(v) for k, v in re.findall(r"parallel\.(\w+)=(-?\d+)", msg)}
+
+
+@pytest.mark.parametrize("kwargs, world", [
+    (dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), 2),   # configs/layout_hybrid_w8.toml
+    (dict(dp=2, tp=2, pp=2, microbatches=2), 4),
+    (dict(dp=1, tp=4, pp=1), 2),
+    (dict(dp=4, tp=2), 2),                                       # dp=-1 alone is the fix here
+])
+def test_explicit_dp_error_names_a_fix_that_validates_in_one_go(kwargs, world):
+    with pytest.raises(ValueError) as err:
+        ParallelPlan(**kwargs).validate(world, MODEL, MOE, 8)
+    msg = str(err.value)
+    fix = _suggested(msg.split("; ", 1)[1])
+    assert fix.get("dp") == -1, msg
+    fixed = ParallelPlan(**{**kwargs, **fix}).validate(world, MODEL, MOE, 8)
+    assert fixed.world == world
+
+
+def test_tp_pp_not_dividing_world_suggests_degrees_that_do():
+    with pytest.raises(ValueError, match=r"tp\*pp = 2\*2 = 4 does not divide the world size 6") as err:
+        ParallelPlan(tp=2, pp=2).validate(6)
+    fix = _suggested(str(err.value))
+    assert fix == {"tp": 2, "pp": 1}
+    assert ParallelPlan(**fix).validate(6).dp == 3

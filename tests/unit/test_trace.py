@@ -17,7 +17,10 @@ def test_trace_names_each_phase_per_layer_and_writes_chrome_trace(tmp_path):
         y = layers(x)
         (y.square().mean() + sum(m.aux_loss for m in layers)).backward()
 
-    result = trace_step(step, tmp_path)
+    calls = []
+    result = trace_step(lambda: (calls.append(1), step()), tmp_path)
+    assert len(calls) == 3 and (result["step"], result["warmup"]) == (3, 2)  # traced after warm-up
+    assert result["untraced_ms"] > 0
     phases = result["phases"]
     for name in ("moe.router", "moe.dispatch", "moe.experts", "moe.combine"):
         assert phases[name]["calls"] == 2, name          # once per layer in the profiled step
@@ -28,4 +31,5 @@ def test_trace_names_each_phase_per_layer_and_writes_chrome_trace(tmp_path):
     assert any(e.get("name") == "moe.experts" for e in events)
     out = io.StringIO()
     print_breakdown(result, out)
-    assert "moe.experts" in out.getvalue() and "one training step" in out.getvalue()
+    assert "moe.experts" in out.getvalue()
+    assert out.getvalue().startswith("training step 3 after 2 warm-up steps: ")

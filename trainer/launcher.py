@@ -1,0 +1,34 @@
+"""Telling torchrun why this process stopped, so its failure summary shows the cause.
+
+torchrun (torch.distributed.elastic) gives every worker an error file in the environment
+variable TORCHELASTIC_ERROR_FILE and, when a worker exits non-zero, prints that file's
+`message` in its "Root Cause" summary. A user mistake (ConfigError) is recorded as its one
+line instead of a traceback; unexpected exceptions go through torch's own `record`.
+"""
+import json
+import os
+import time
+
+
+def record_error_line(line: str) -> None:
+    """Write `line` as this worker's error for torchrun's summary (a no-op outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line,
+                        "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then lacks the line; stderr still has it
+
+
+def with_traceback_record(main):
+    """`main` wrapped by torch's elastic `record` (tracebacks of unexpected errors reach the
+    torchrun summary); the plain function where that module is unavailable."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError:
+        return main
+    return record(main)
