@@ -17,7 +17,7 @@ if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
        "$(python3 -V 2>&1): put a newer python3 first on PATH" >&2
   exit 2
 fi
-echo "[setup] creating $VENV and installing $TORCH_PIN + moekit[dev] (about a minute)" >&2
+echo "[setup] creating $VENV and installing $TORCH_PIN + moekit[dev] (1.5-2.5 minutes)" >&2
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --upgrade pip setuptools wheel
