@@ -4,10 +4,14 @@ Shapes: B batch, S source length, T target length, V vocabulary.
 The `[hf]` config section names a family; its size comes from the `[model]` section
 (d_model, n_layers, n_heads, d_ff, vocab_size, max_seq_len, dropout, tie_embeddings) unless
 `hf.pretrained` points at a local save_pretrained directory to upcycle from. Nothing is
-downloaded. The returned module has the calling convention of the toolkit's own models, so
-the trainer's tasks apply unchanged:
-  decoder families (gpt2, llama, mistral, qwen2): forward(input_ids_BS) -> logits_BSV, task "gpt"
-  t5: forward(input_ids_BS, decoder_input_ids_BT) -> logits_BTV, task "switch" (span corruption)
+downloaded. MoE families (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss,
+ernie4_5_moe, switch_transformers) are adopted from `hf.pretrained`: every sparse block becomes
+a moekit MoELayer with the checkpoint's weights and routing (moe.moefy reads the config), so
+the [moe] section does not apply to them. The returned module has the calling convention of
+the toolkit's own models, so the trainer's tasks apply unchanged:
+  decoder families: forward(input_ids_BS) -> logits_BSV, task "gpt"
+  t5, switch_transformers: forward(input_ids_BS, decoder_input_ids_BT) -> logits_BTV, task
+  "switch" (span corruption)
 """
 import os
 from dataclasses import dataclass
@@ -19,7 +23,11 @@ from moe.swap import CONFIG_KEY, load_moefied, moefy
 
 from .config import help_field
 
-TASKS = {"gpt2": "gpt", "llama": "gpt", "mistral": "gpt", "qwen2": "gpt", "t5": "switch"}
+DENSE_TASKS = {"gpt2": "gpt", "llama": "gpt", "mistral": "gpt", "qwen2": "gpt", "t5": "switch"}
+MOE_TASKS = {"mixtral": "gpt", "qwen2_moe": "gpt", "qwen3_moe": "gpt", "olmoe": "gpt",
+             "deepseek_v3": "gpt", "gpt_oss": "gpt", "ernie4_5_moe": "gpt",
+             "switch_transformers": "switch"}
+TASKS = {**DENSE_TASKS, **MOE_TASKS}
 
 
 _f = help_field
@@ -28,7 +36,8 @@ _f = help_field
 @dataclass
 class HFConfig:
     family: str = _f("", "train a Hugging Face model of this family instead of model.arch: "
-                         "gpt2 | llama | mistral | qwen2 | t5; '' = off")
+                         "gpt2 | llama | mistral | qwen2 | t5 (MoE FFNs swapped in), or adopt an "
+                         "MoE model from hf.pretrained: " + " | ".join(MOE_TASKS) + "; '' = off")
     pretrained: str = _f("", "local directory written by save_pretrained to start from (its "
                              "sizes win over model.*); '' = fresh init sized by model.*")
     upcycle: bool = _f(True, "with hf.pretrained: experts start as copies of the dense FFN")
@@ -46,7 +55,19 @@ class HFConfig:
                              f"a directory written by save_pretrained (nothing is downloaded)")
         if self.kv_heads < 0:
             raise ValueError(f"hf.kv_heads={self.kv_heads} must be >= 0")
+        if self.family in MOE_TASKS and not self.pretrained:
+            raise ValueError(f"hf.family={self.family!r} is adopted from a checkpoint: set "
+                             f"hf.pretrained to a local save_pretrained directory of that model")
         return self
+
+
+def pretrained_vocab_size(hf_cfg: HFConfig):
+    """The vocabulary of hf.pretrained's config.json, or None without one."""
+    if not hf_cfg.pretrained:
+        return None
+    import json
+    with open(os.path.join(hf_cfg.pretrained, "config.json")) as f:
+        return json.load(f).get("vocab_size")
 
 
 def hf_config(hf_cfg: HFConfig, m):
@@ -134,9 +155,39 @@ def build_hf_model(hf_cfg: HFConfig, model_cfg, moe_cfg, seed: int = 0, device="
     hf_cfg.validate()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if hf_cfg.family in MOE_TASKS:
+            return _adopted(hf_cfg).to(device)
         hf, has_moe = _dense_from(hf_cfg, model_cfg)
         if moe_cfg.every > 0 and not has_moe:
             upcycle = bool(hf_cfg.pretrained) and hf_cfg.upcycle
             moefy(hf, upcycle=upcycle, family=hf_cfg.family, **_moe_args(moe_cfg, upcycle))
     wrapper = (HFSeq2Seq if TASKS[hf_cfg.family] == "switch" else HFLanguageModel)(hf)
     return wrapper.to(device)
+
+
+def _adopted(hf_cfg: HFConfig) -> nn.Module:
+    """An HF MoE checkpoint with its sparse blocks converted to MoELayers (same function)."""
+    import transformers as tf
+    auto = tf.AutoModelForSeq2SeqLM if MOE_TASKS[hf_cfg.family] == "switch" else tf.AutoModelForCausalLM
+    config = tf.AutoConfig.from_pretrained(hf_cfg.pretrained, local_files_only=True)
+    if getattr(config, CONFIG_KEY, None):  # saved by moekit with its MoE layers already in
+        hf = load_moefied(hf_cfg.pretrained)
+    else:
+        # the checkpoint's own training coefficients (0 where its family has none, e.g. the
+        # aux-loss-free DeepSeek-V3); the routing itself is read by the family's adapter
+        coefs = {"aux_loss_coef": getattr(config, "router_aux_loss_coef", 0.0) or 0.0,
+                 "z_loss_coef": getattr(config, "router_z_loss_coef", 0.0) or 0.0}
+        hf = moefy(auto.from_pretrained(hf_cfg.pretrained, local_files_only=True),
+                   family=hf_cfg.family, **coefs)
+    return (HFSeq2Seq if MOE_TASKS[hf_cfg.family] == "switch" else HFLanguageModel)(hf)
+
+
+def moe_section_conflicts(moe_cfg, model_cfg) -> list:
+    """[moe] fields set away from their defaults (both validated): an adopted MoE model takes
+    its routing from its checkpoint, so a run that sets them is refused rather than silently
+    trained with other routing."""
+    import dataclasses
+    default = type(moe_cfg)()
+    default.validate(model_cfg)
+    return [f.name for f in dataclasses.fields(moe_cfg)
+            if getattr(moe_cfg, f.name) != getattr(default, f.name)]

@@ -232,3 +232,23 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}")
+
+    def routing_summary(self) -> str:
+        """One line with every routing semantic of this layer (printed by train.py at start)."""
+        r = self.router
+        parts = [f"E={self.num_experts} top_k={self.top_k} {r.kind} {r.score_func}",
+                 f"norm_topk_prob={r.norm_topk_prob}",
+                 f"capacity_factor={self.capacity_factor}",
+                 f"activation={self.experts.activation}",
+                 f"balance_loss={self.balance_loss} aux_coef={self.aux_loss_coef} "
+                 f"z_coef={self.z_loss_coef}"]
+        if r.n_group > 1:
+            parts.append(f"groups={r.n_group} keep {r.topk_group}")
+        if r.routed_scaling_factor != 1.0:
+            parts.append(f"routed_scaling={r.routed_scaling_factor:g}")
+        if r.bias is not None:
+            parts.append("router_bias")
+        if self.shared_experts is not None:
+            gated = self.shared_experts.gate is not None
+            parts.append("shared experts" + (" (sigmoid-gated)" if gated else ""))
+        return ", ".join(parts)

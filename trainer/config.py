@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.config import ModelConfig, MoEConfig
-from models.hf_build import HFConfig
+from models.hf_build import MOE_TASKS, HFConfig, moe_section_conflicts
 from parallel.plan import ParallelPlan
 
 from .sections import CHOICES, CheckpointConfig, DataConfig, LogConfig, RunConfig, TrainConfig
@@ -274,5 +274,10 @@ def validate(cfg: Config, world_size: int):
                                      cfg.data.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.hf.family in MOE_TASKS:
+        ignored = moe_section_conflicts(cfg.moe, cfg.model)
+        _require(not ignored, f"moe.{', moe.'.join(ignored)} set, but hf.family={cfg.hf.family!r} "
+                              f"takes its routing from hf.pretrained's config; remove "
+                              f"{'them' if len(ignored) > 1 else 'it'} from the [moe] section")
     _check_batching(cfg, plan)
     return plan

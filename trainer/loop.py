@@ -69,7 +69,12 @@ def _check_vocab(cfg, data_dir, arch: str) -> None:
     if arch == "switch":
         need = vocab + sentinels_needed(cfg.data.seq_len, cfg.data)
         why += f" plus {need - vocab} span-corruption sentinel ids"
-    if cfg.model.vocab_size < need:
+    from models.hf_build import pretrained_vocab_size
+    have = pretrained_vocab_size(cfg.hf)
+    if have is not None and have < need:
+        raise ConfigError(f"hf.pretrained={cfg.hf.pretrained!r} has vocab_size={have}, smaller than "
+                          f"{why}; use a model with at least {need} token ids")
+    if have is None and cfg.model.vocab_size < need:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {why}; set "
                           f"model.vocab_size={need} or more")
 
@@ -136,6 +141,9 @@ def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> 
     log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
              f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
              f"{len(models.moe_layers(model))} MoE layer(s)")
+    layers = models.moe_layers(model)
+    if layers:  # the routing semantics the run trains with (adopted models: from their config)
+        log.info(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")
     log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
              f"{cfg.data.seq_len} tokens)")
     if resume_from is not None:
