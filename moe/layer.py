@@ -192,8 +192,11 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with record_function("moe.router"):
             routing = self.router(x_GSD, cf)
-            if routing.probs_GSE is not None and (token_mask is not None or self.balance_group
-                                                  is not None or self.balance_loss != "sequence"):
+            # per-sequence balance without a mask needs no communication: every data-parallel
+            # rank holds the same number of sequences, so the dp mean of the local means is
+            # the global mean; a mask (or a pooled variant) makes the counts differ per rank
+            if routing.probs_GSE is not None and (token_mask is not None
+                                                  or self.balance_loss != "sequence"):
                 mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)
                 routing.aux_losses["load_balance"] = self._balance(routing, mask_GS)
         x_TD = x_GSD.reshape(-1, D)
