@@ -246,6 +246,16 @@ def _check_own(cfg: Config) -> None:
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
 
 
+def _check_optimizer(cfg: Config, plan) -> None:
+    why = {1: "flat parameter slices (its factored moments need the matrix shapes)",
+           2: "flat parameter slices (its factored moments need the matrix shapes)",
+           3: "FSDP2 shards (torch's Adafactor step has no DTensor support for its row/column "
+              "norms)"}
+    _require(not (cfg.train.optimizer == "adafactor" and plan.zero in why),
+             f"train.optimizer='adafactor' cannot run on ZeRO-{plan.zero}'s {why.get(plan.zero)}; "
+             f"use parallel.zero=0 (with any dp/ep/tp/pp), or train.optimizer='adamw'")
+
+
 def _check_batching(cfg: Config, plan) -> None:
     local = cfg.train.batch_size // plan.dp
     mb = cfg.train.micro_batch_size
@@ -280,4 +290,5 @@ def validate(cfg: Config, world_size: int):
                               f"takes its routing from hf.pretrained's config; remove "
                               f"{'them' if len(ignored) > 1 else 'it'} from the [moe] section")
     _check_batching(cfg, plan)
+    _check_optimizer(cfg, plan)
     return plan

@@ -1,4 +1,12 @@
-"""AdamW with weight-decay groups and the warmup + cosine learning-rate schedule.
+"""The optimizer (AdamW, or Adafactor as the Switch Transformer trained with) with
+weight-decay groups, and the warmup + cosine learning-rate schedule.
+
+Adafactor (torch.optim.Adafactor) keeps factored second moments for matrices: a row and a
+column statistic instead of a full [rows, cols] moment, and no first moment, so its state is
+a small fraction of AdamW's 2 x params. Its step size is relative to each parameter's RMS,
+capped by the scheduled lr. It needs the parameters' matrix shapes: ZeRO-1/2's flat slices
+would silently turn it into an unfactored optimizer, and torch's step fails on FSDP2's
+DTensor shards, so ZeRO 1-3 are refused with it (trainer/config.py).
 
 Decay applies to matrices only. Norm scales, biases (1-D) and router weights are not decayed:
 shrinking a router towards uniform logits fights the load-balancing it is trained for.
@@ -21,9 +29,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
+OPTIMIZERS = ("adamw", "adafactor")
+
+
 def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
-                             betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps)
+    groups = param_groups(model, train_cfg.weight_decay)
+    if train_cfg.optimizer == "adafactor":
+        return torch.optim.Adafactor(groups, lr=train_cfg.lr)
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
+                             eps=train_cfg.eps)
 
 
 class WarmupCosine:

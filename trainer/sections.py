@@ -30,7 +30,8 @@ class TrainConfig:
     lr: float = _f(2e-3, "peak learning rate (AdamW)")
     min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of train.lr")
     warmup_steps: int = _f(20, "linear warmup steps from 0 to train.lr")
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases, embeddings, router)")
+    optimizer: str = _f("adamw", "adamw | adafactor (factored second moments, relative step capped by the scheduled lr; needs parallel.zero=0)")
+    weight_decay: float = _f(0.1, "weight decay on matrices (not on norms, biases, router)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
@@ -77,5 +78,6 @@ class CheckpointConfig:
 CHOICES = {
     ("run", "device"): ("auto", "cpu", "cuda"),
     ("data", "tokenizer"): ("byte", "bpe"),
+    ("train", "optimizer"): ("adamw", "adafactor"),
     ("log", "progress"): ("auto", "bar", "plain", "none"),
 }
