@@ -136,6 +136,10 @@ def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> 
     log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
              f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
              f"{len(models.moe_layers(model))} MoE layer(s)")
+    forced = [layer for layer in models.moe_layers(model) if getattr(layer, "force_balance", False)]
+    if forced:
+        log.info(f"WARNING: moe.force_balance=true in {len(forced)} MoE layer(s): routing is "
+                 f"forced to an even spread (benchmarking only; losses are not a real model's)")
     log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
              f"{cfg.data.seq_len} tokens)")
     if resume_from is not None:
