@@ -6,19 +6,25 @@ median of several timed repetitions after warm-up, plus its ratio to the floor:
 
   floor      the same routed FLOPs as perfectly balanced grouped dense matmuls
              (torch.bmm over [E, N/E, D]) with the same activation and no routing at all
-  moekit     moe.MoELayer, dropless
+  moekit     moe.MoELayer, dropless, default experts_impl="auto" (the path it picks is printed)
+  loop       moe.MoELayer(experts_impl="loop"): per-expert fused loop (also in the E sweep)
+  grouped_mm moe.MoELayer(experts_impl="grouped_mm"): one torch._grouped_mm per projection
+  balanced   moe.MoELayer(force_balance=True): the default path with exactly balanced
+             assignments -- the ceiling routing balance alone could reach
   hf         transformers' MixtralSparseMoeBlock (swiglu), built from a small config
   fairscale  fairscale MOELayer + Top2Gate (k=2, fp32 only; world-1 process group)
 
-Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, about 10 minutes)
+Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, tens of minutes)
       python bench/moe_layer.py --quick    (smoke run on a toy size, seconds)
 Timings are wall-clock on a shared CPU: read ratios measured in the same run, not absolutes.
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +104,11 @@ def floor_case(T, D, F_, E, K, act, dtype, dev):
     return mod, x
 
 
-def ours_case(T, D, F_, E, K, act, dtype, dev):
-    mod = MoELayer(D, F_, E, K, None, act).to(device=dev, dtype=dtype)
+def ours_case(T, D, F_, E, K, act, dtype, dev, experts_impl="auto", force_balance=False):
+    with warnings.catch_warnings():  # force_balance warns; the row name says it already
+        warnings.simplefilter("ignore")
+        mod = MoELayer(D, F_, E, K, None, act, experts_impl=experts_impl,
+                       force_balance=force_balance).to(device=dev, dtype=dtype)
     x = torch.randn(T, D, dtype=dtype, device=dev, requires_grad=True)
     return mod, x
 
@@ -138,7 +147,17 @@ def fairscale_case(T, D, F_, E, K, act, dtype, dev):
     return mod, x
 
 
-CASES = {"floor": floor_case, "moekit": ours_case, "hf": hf_case, "fairscale": fairscale_case}
+CASES = {"floor": floor_case, "moekit": ours_case,
+         "loop": functools.partial(ours_case, experts_impl="loop"),
+         "grouped_mm": functools.partial(ours_case, experts_impl="grouped_mm"),
+         "balanced": functools.partial(ours_case, force_balance=True),
+         "hf": hf_case, "fairscale": fairscale_case}
+
+
+def auto_impl(D, F_, dtype) -> str:
+    """The expert path experts_impl="auto" takes for this device, dtype and size."""
+    from moe.grouped_mm import resolve_impl
+    return resolve_impl("auto", device(), dtype, D, F_)
 
 
 def build_step(name, T, D, F_, E, K, act, dtype):
@@ -151,10 +170,12 @@ def build_step(name, T, D, F_, E, K, act, dtype):
 def run_config(T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
     """Floor, moekit and peers for one config, interleaved; prints one line each."""
     dtype = DTYPES[dtype_name]
-    names = ["floor", "moekit"] + peers
+    other = "loop" if auto_impl(D, F_, dtype) == "grouped_mm" else "grouped_mm"
+    names = ["floor", "moekit", other, "balanced"] + peers
     med = interleaved_medians({n: build_step(n, T, D, F_, E, K, act, dtype) for n in names},
                               reps, warmup)
     label = f"T={T} E={E} k={K} {act} {dtype_name}"
+    print(f"{label:34s} (moekit = experts_impl='auto' -> {auto_impl(D, F_, dtype)!r})", flush=True)
     for n in names:
         print(f"{label:34s} {n:10s} {med[n] * 1e3:9.1f} ms  {med[n] / med['floor']:6.2f}x floor",
               flush=True)
@@ -162,19 +183,20 @@ def run_config(T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
 
 
 def run_sweep(T, D, F_, experts, reps, warmup):
-    """Every E of the sweep (moekit and floor) timed in the same rounds, k=2 gelu fp32."""
-    steps = {}
-    for E in experts:
-        for n in ("floor", "moekit"):
-            steps[(n, E)] = build_step(n, T, D, F_, E, 2, "gelu", torch.float32)
+    """Every E of the sweep (floor, loop, grouped_mm) timed in the same rounds, k=2 gelu fp32."""
+    names = ("floor", "loop", "grouped_mm")
+    steps = {(n, E): build_step(n, T, D, F_, E, 2, "gelu", torch.float32)
+             for E in experts for n in names}
     med = interleaved_medians(steps, reps, warmup)
     e0 = experts[0]
-    print(f"\nE sweep, T={T} k=2 gelu fp32: time per token relative to E={e0}", flush=True)
+    print(f"\nE sweep, T={T} k=2 gelu fp32: ms (time relative to E={e0}), ratio to the floor",
+          flush=True)
     for E in experts:
-        f, m = med[("floor", E)], med[("moekit", E)]
-        print(f"E={E:4d}  floor {f * 1e3:8.1f} ms ({f / med[('floor', e0)]:.2f}x)   "
-              f"moekit {m * 1e3:8.1f} ms ({m / med[('moekit', e0)]:.2f}x)   "
-              f"moekit/floor {m / f:.2f}x", flush=True)
+        f, lp, g = (med[(n, E)] for n in names)
+        print(f"E={E:4d}  floor {f * 1e3:8.1f} ({f / med[('floor', e0)]:.2f}x)   "
+              f"loop {lp * 1e3:8.1f} ({lp / med[('loop', e0)]:.2f}x) {lp / f:.2f}x floor   "
+              f"grouped_mm {g * 1e3:8.1f} ({g / med[('grouped_mm', e0)]:.2f}x) "
+              f"{g / f:.2f}x floor", flush=True)
     return med
 
 
@@ -187,6 +209,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median taken)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--sweep-tokens", type=int, default=None, help="T of the E sweep (default: T)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of dtypes of the main rows")
+    ap.add_argument("--ks", default="2,1", help="comma list of top-k values of the main rows")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: main,sweep,peers")
     args = ap.parse_args(argv)
     q = args.quick
@@ -203,14 +228,15 @@ def main(argv=None):
 
     peers_on = "peers" not in skip
     if "main" not in skip:
-        for dtype_name in ("fp32", "bf16"):
-            for K in (2, 1):
+        for dtype_name in args.dtypes.split(","):
+            for K in (int(k) for k in args.ks.split(",")):
                 peers = ["fairscale"] if peers_on and K == 2 and dtype_name == "fp32" else []
                 run_config(T, D, F_, 16, K, "gelu", dtype_name, peers, reps, warmup)
             if peers_on:  # Mixtral is swiglu: compare it against a swiglu floor and layer
                 run_config(T, D, F_, 16, 2, "swiglu", dtype_name, ["hf"], reps, warmup)
     if "sweep" not in skip:
-        run_sweep(T, D, F_, (4, 8, 16) if q else (8, 16, 32, 64, 128), reps, warmup)
+        sweep_T = args.sweep_tokens or T
+        run_sweep(sweep_T, D, F_, (4, 8, 16) if q else (8, 16, 32, 64, 128, 256), reps, warmup)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 from moe.capacity import parse_capacity_factor
 from moe.balance import BALANCE_LOSSES
+from moe.grouped_mm import EXPERT_IMPLS
 from moe.router import ROUTER_KINDS as ROUTERS
 from moe.scoring import SCORE_FUNCS
 
@@ -123,6 +124,8 @@ class MoEConfig:
     swiglu_alpha: float = _help(1.702, "activation='clamped_swiglu' (GPT-OSS): sigmoid slope alpha")
     swiglu_limit: float = _help(7.0, "activation='clamped_swiglu' (GPT-OSS): clamp limit of gate and up projections")
     balance_loss: str = _help("sequence", "load-balance loss over: 'sequence', 'micro_batch' or 'global_batch' (all micro-batches and dp ranks of a step)")
+    experts_impl: str = _help("auto", "expert matmuls: 'loop' (per-expert fused loop), 'grouped_mm' (torch._grouped_mm) or 'auto' (measured-faster per device/dtype)")
+    force_balance: bool = _help(False, "BENCHMARKING ONLY: ignore the router's expert choice and spread assignments evenly (gates kept)")
 
     def __post_init__(self):
         # normalise what we can; leave junk in place for validate() to report
@@ -153,6 +156,12 @@ class MoEConfig:
         _choice(self, s, "router", ROUTERS)
         _choice(self, s, "score_func", SCORE_FUNCS)
         _choice(self, s, "balance_loss", BALANCE_LOSSES)
+        _choice(self, s, "experts_impl", EXPERT_IMPLS)
+        if self.force_balance not in (True, False):
+            raise ValueError(f"moe.force_balance={self.force_balance!r} must be true or false")
+        if self.force_balance and self.router != "token_choice":
+            raise ValueError(f"moe.force_balance=true needs moe.router='token_choice' "
+                             f"({self.router!r} is balanced by construction)")
         if self.router == "expert_choice" and self.balance_loss != "sequence":
             raise ValueError(f"moe.balance_loss={self.balance_loss!r} needs moe.router='token_choice'")
         if self.norm_topk_prob not in (None, True, False):
@@ -191,12 +200,13 @@ class MoEConfig:
         return self.capacity_factor if isinstance(e, str) and e.strip().lower() == "same" else e
 
     def routing_kwargs(self) -> dict:
-        """The MoELayer keyword arguments of the routing options above."""
+        """The MoELayer keyword arguments of the routing and expert-execution options above."""
         return dict(score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
                     n_group=self.n_group, topk_group=self.topk_group or None,
                     routed_scaling_factor=self.routed_scaling_factor, router_bias=self.router_bias,
                     shared_expert_gate=self.shared_expert_gate, swiglu_alpha=self.swiglu_alpha,
-                    swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss)
+                    swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss,
+                    experts_impl=self.experts_impl, force_balance=self.force_balance)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

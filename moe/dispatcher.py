@@ -20,14 +20,21 @@ class DispatchMeta:
     slot_N: Optional[torch.Tensor]  # long [N]: t*K + k (token choice) or None (expert choice)
     slots_per_token: int
     num_tokens: int
-    counts_E: tuple                 # rows per local expert, in order
+    counts_E: object                # rows per local expert, in order: tuple, or long [E] tensor
 
 
-def sort_by_expert(routing: Routing, num_experts: int):
-    """Stable sort of the assignments by expert id -> (order_A, counts_E as python ints)."""
+def sort_by_expert(routing: Routing, num_experts: int, host_counts: bool = True):
+    """Stable sort of the assignments by expert id -> (order_A, counts_E).
+
+    counts_E: Python ints (host_counts=True, a device->host sync on accelerators), else a
+    long [E] tensor on the device (scatter_add: unlike bincount, it needs no host sync).
+    """
     order_A = torch.sort(routing.expert_A, stable=True).indices
-    counts_E = torch.bincount(routing.expert_A, minlength=num_experts).tolist()
-    return order_A, counts_E
+    if host_counts:
+        return order_A, torch.bincount(routing.expert_A, minlength=num_experts).tolist()
+    expert_A = routing.expert_A
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_A.device)
+    return order_A, counts_E.scatter_add_(0, expert_A, torch.ones_like(expert_A))
 
 
 def gather_sorted(x_TD: torch.Tensor, routing: Routing, order_A: torch.Tensor):
@@ -71,12 +78,14 @@ class LocalDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        order_A, counts_E = sort_by_expert(routing, self.num_experts)
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, host_counts: bool = True):
+        """-> (x_ND, counts_E, meta); counts_E a list of ints, or with host_counts=False a
+        long [E] tensor on the device (for experts that take offsets on the device)."""
+        order_A, counts_E = sort_by_expert(routing, self.num_experts, host_counts)
         x_ND, token_N, gate_N, slot_N = gather_sorted(x_TD, routing, order_A)
-        meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token,
-                            routing.num_tokens, tuple(counts_E))
-        return x_ND, list(counts_E), meta
+        meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token, routing.num_tokens,
+                            tuple(counts_E) if host_counts else counts_E)
+        return x_ND, list(counts_E) if host_counts else counts_E, meta
 
     def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch.Tensor:
         return weighted_combine(y_ND, meta, out_dtype)

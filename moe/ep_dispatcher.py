@@ -60,7 +60,9 @@ class ExpertParallelDispatcher:
         self.num_local = num_experts // self.world
         self.counter = counter if counter is not None else CommCounter()
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, host_counts: bool = True):
+        """host_counts is accepted for the dispatcher interface; the exchange needs the
+        split sizes on the host, so counts_L are always Python ints here."""
         P, L = self.world, self.num_local
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
         x_AD, token_A, gate_A, slot_A = gather_sorted(x_TD, routing, order_A)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .glu import CLAMPED_SWIGLU, clamped_swiglu
+from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
 
 # name -> (activation, gated). Gated variants compute act(x @ w1) * (x @ w3), except
 # clamped_swiglu (GPT-OSS, moe/glu.py), whose gate/up function runs on the plain-op path.
@@ -30,6 +31,11 @@ _ACT_BACKWARD = {
     F.silu: lambda g, h: torch.ops.aten.silu_backward(g, h),
     F.relu: lambda g, h: torch.ops.aten.threshold_backward(g, h, 0),
 }
+
+
+def check_experts_impl(experts_impl: str) -> None:
+    if experts_impl not in EXPERT_IMPLS:
+        raise ValueError(f"experts_impl={experts_impl!r} is not supported; use one of {EXPERT_IMPLS}")
 
 
 def check_activation(activation: str) -> None:
@@ -162,13 +168,21 @@ class ExpertBank(nn.Module):
     expert with no rows costs nothing. Optional biases b1 [E, F], b2 [E, D], b3 [E, F] exist so
     dense FFNs with biases (GPT-2, BERT, GPT-OSS experts) can be held exactly.
     activation="clamped_swiglu" (GPT-OSS) uses swiglu_alpha and swiglu_limit (moe/glu.py).
+
+    experts_impl: "loop" runs the fused per-expert loop below (`grouped_ffn`); "grouped_mm"
+    one `torch._grouped_mm` per projection (moe/grouped_mm.py; counts may then be a long
+    tensor on the device, no host sync); "auto" (default) the measured-faster one for the
+    device and dtype (moe/grouped_mm.py AUTO_IMPL). `counts` may always be a list of ints.
     """
 
     def __init__(self, num_local: int, d_model: int, d_ff: int, activation: str = "gelu",
                  bias: bool = False, init_std: float = 0.02, out_init_std=None, *,
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 experts_impl: str = "auto"):
         super().__init__()
         check_activation(activation)
+        check_experts_impl(experts_impl)
+        self.experts_impl = experts_impl
         if not swiglu_limit > 0:
             raise ValueError(f"swiglu_limit={swiglu_limit!r} must be > 0 (GPT-OSS uses 7.0)")
         self.activation = activation
@@ -203,23 +217,48 @@ class ExpertBank(nn.Module):
         # w[e] per expert would allocate a full-size zero gradient per expert.
         return None if p is None else p.unbind(0)
 
-    def forward(self, x_ND: torch.Tensor, counts: list) -> torch.Tensor:
-        if len(counts) != self.num_local:
-            raise ValueError(f"counts has {len(counts)} entries for {self.num_local} local experts")
+    def impl_for(self, x_ND: torch.Tensor) -> str:
+        """The path forward takes for this input: "grouped_mm", "loop" (fused loop) or "ops"
+        (plain differentiable ops: DTensor or mixed-dtype weights, clamped_swiglu loop)."""
         params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
         dev = x_ND.device.type
-        if self.act_fn is None:  # clamped_swiglu: no fused kernel for it
+        autocast = torch.is_autocast_enabled(dev)
+        if not _plain(x_ND, params, same_dtype=not autocast):
+            return "ops"
+        dt = torch.get_autocast_dtype(dev) if autocast else x_ND.dtype
+        impl = resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
+        return "ops" if impl == "loop" and self.act_fn is None else impl
+
+    def forward(self, x_ND: torch.Tensor, counts) -> torch.Tensor:
+        if len(counts) != self.num_local:
+            raise ValueError(f"counts has {len(counts)} entries for {self.num_local} local experts")
+        impl = self.impl_for(x_ND)
+        if impl != "grouped_mm" and isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # the loops slice on the host
+        if impl == "ops":
             return self._forward_ops(x_ND, counts)
-        if torch.is_autocast_enabled(dev) and _plain(x_ND, params, same_dtype=False):
+        params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
+        dev = x_ND.device.type
+        if torch.is_autocast_enabled(dev):
             # autocast would run every matmul in its low dtype: cast once (differentiably,
             # so fp32 master weights get fp32 grads) and run the fused path with it off
             dt = torch.get_autocast_dtype(dev)
             x_ND, params = x_ND.to(dt), tuple(None if p is None else p.to(dt) for p in params)
             with torch.autocast(dev, enabled=False):
-                return grouped_ffn(x_ND, counts, self.activation, *params)
-        if not torch.is_autocast_enabled(dev) and _plain(x_ND, params):
+                return self._fused(impl, x_ND, counts, params)
+        return self._fused(impl, x_ND, counts, params)
+
+    def _fused(self, impl, x_ND, counts, params):
+        if impl == "loop":
             return grouped_ffn(x_ND, counts, self.activation, *params)
-        return self._forward_ops(x_ND, counts)
+        return grouped_mm_ffn(x_ND, counts, self.act_fn, self._glu, _ACT_BACKWARD.get(self.act_fn),
+                              *params)
+
+    def _glu(self, h1_NF, h3_NF):
+        """The gated combination of the two projections (gated activations only)."""
+        if self.act_fn is None:
+            return clamped_swiglu(h1_NF, h3_NF, self.swiglu_alpha, self.swiglu_limit)
+        return self.act_fn(h1_NF) * h3_NF
 
     def _forward_ops(self, x_ND: torch.Tensor, counts: list) -> torch.Tensor:
         """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),

@@ -3,6 +3,8 @@
 Shapes: T tokens, D model dim, F ffn dim, E experts, K top-k, G routing groups (all leading
 dims but the last two), S tokens per group (dim -2 of the input).
 """
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.profiler import record_function  # named ranges for traces; ~free when not profiling
@@ -15,6 +17,11 @@ from .experts import DenseFFN, ExpertBank, check_activation
 from .router import ROUTER_KINDS, Router
 from .scoring import SCORE_FUNCS, check_group_args
 from .stats import RoutingStats
+
+
+FORCE_BALANCE_WARNING = ("MoELayer(force_balance=True): expert assignments are forced to an "
+                         "even spread, the router's choice is ignored -- benchmarking only, "
+                         "not for training a real model")
 
 
 def _is_int(v) -> bool:
@@ -110,6 +117,13 @@ class MoELayer(nn.Module):
           load-balance loss averages over (moe/balance.py). The last two count over the
           ranks of `set_balance_group(group)`; "global_batch" also over the micro-batches
           since `reset_balance_window()`.
+      experts_impl: "auto" (default), "loop" or "grouped_mm": how the experts run (moe/
+          experts.py, moe/grouped_mm.py); "auto" takes the measured-faster one for the
+          device and dtype. Same function either way.
+      force_balance: BENCHMARKING ONLY. Token choice ignores the router's expert choice and
+          sends assignment t*K+k to expert (t*K+k) % E (exactly balanced when E divides
+          S*K), keeping the gate values the router gave; gradients still flow. Warns when
+          on; `layer.force_balance` and the repr expose it so a trainer can say so.
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
@@ -124,7 +138,8 @@ class MoELayer(nn.Module):
                  routed_scaling_factor: float = 1.0, router_bias: bool = False,
                  shared_expert_gate: bool = False, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, logits_dtype=None, score_dtype=None,
-                 expert_capacity=None, balance_loss: str = "sequence"):
+                 expert_capacity=None, balance_loss: str = "sequence",
+                 experts_impl: str = "auto", force_balance: bool = False):
         super().__init__()
         eval_cf = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
         _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_cf, router,
@@ -135,6 +150,13 @@ class MoELayer(nn.Module):
             shared_expert_gate)
         check_activation(activation)
         check_balance_loss(balance_loss, router)
+        if force_balance not in (True, False):
+            raise ValueError(f"force_balance={force_balance!r} must be True or False")
+        if force_balance and router != "token_choice":
+            raise ValueError(f"force_balance=True spreads token-choice assignments; router="
+                             f"{router!r} is balanced by construction: use router='token_choice'")
+        if force_balance:
+            warnings.warn(FORCE_BALANCE_WARNING, stacklevel=2)
         self.balance_loss = balance_loss
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_cf
@@ -144,10 +166,11 @@ class MoELayer(nn.Module):
                              n_group=n_group, topk_group=topk_group,
                              routed_scaling_factor=routed_scaling_factor,
                              router_bias=router_bias, logits_dtype=logits_dtype,
-                             score_dtype=score_dtype, expert_capacity=expert_capacity)
+                             score_dtype=score_dtype, expert_capacity=expert_capacity,
+                             force_balance=force_balance)
         glu = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.experts = ExpertBank(num_experts, d_model, d_ff, activation, expert_bias,
-                                  init_std, out_init_std, **glu)
+                                  init_std, out_init_std, experts_impl=experts_impl, **glu)
         self.shared_experts = None
         if num_shared_experts > 0:
             self.shared_experts = DenseFFN(d_model, (shared_d_ff or d_ff) * num_shared_experts,
@@ -169,6 +192,11 @@ class MoELayer(nn.Module):
         """Keep only this rank's experts [r*E/P, (r+1)*E/P) and exchange tokens over ep_group."""
         from .ep_dispatcher import shard_layer_experts  # moe/ep_dispatcher.py
         shard_layer_experts(self, ep_group)
+
+    @property
+    def force_balance(self) -> bool:
+        """True when routing is overridden by force_balance (benchmarking, not training)."""
+        return self.router.force_balance
 
     def set_balance_group(self, group) -> None:
         """Data-parallel ranks over which micro_batch/global_batch balance losses count tokens
@@ -201,7 +229,9 @@ class MoELayer(nn.Module):
                 routing.aux_losses["load_balance"] = self._balance(routing, mask_GS)
         x_TD = x_GSD.reshape(-1, D)
         with record_function("moe.dispatch"):
-            x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
+            # counts stay on the device when the experts take device offsets (grouped_mm)
+            host = self.experts.impl_for(x_TD) != "grouped_mm"
+            x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, host_counts=host)
         with record_function("moe.experts"):
             y_ND = self.experts(x_ND, counts_E)
         with record_function("moe.combine"):
@@ -233,8 +263,12 @@ class MoELayer(nn.Module):
                                            routing.num_tokens, self.top_k, routing.entropy)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, capacity_factor={self.capacity_factor}")
+        s = (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
+             f"top_k={self.top_k}, capacity_factor={self.capacity_factor}")
+        if self.experts.experts_impl != "auto":
+            s += f", experts_impl={self.experts.experts_impl!r}"
+        return s + (", force_balance=True (BENCHMARK ONLY: routing ignored)"
+                    if self.force_balance else "")
 
     def routing_summary(self) -> str:
         """One line with every routing semantic of this layer (printed by train.py at start)."""
@@ -254,4 +288,6 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             gated = self.shared_experts.gate is not None
             parts.append("shared experts" + (" (sigmoid-gated)" if gated else ""))
+        if self.force_balance:
+            parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

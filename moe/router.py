@@ -43,8 +43,10 @@ class Router(nn.Module):
                  jitter: float = 0.0, init_std: float = 0.02, *, score_func: str = "softmax",
                  norm_topk_prob=None, n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, router_bias: bool = False,
-                 logits_dtype=None, score_dtype=None, expert_capacity=None):
+                 logits_dtype=None, score_dtype=None, expert_capacity=None,
+                 force_balance: bool = False):
         super().__init__()
+        self.force_balance = bool(force_balance)
         self.num_experts, self.top_k, self.kind = num_experts, top_k, kind
         self.jitter, self.init_std = jitter, init_std
         self.score_func = score_func
@@ -106,6 +108,8 @@ class Router(nn.Module):
         scores_TE = scores_GSE.reshape(T, E)
         ids_TK = select_experts(scores_TE, self.selection_bias, K, self.n_group, self.topk_group)
         gates_TK = gates_for(scores_TE, ids_TK, self.norm_topk_prob, self.routed_scaling_factor)
+        if self.force_balance:  # benchmarking: same gates, experts dealt round-robin
+            ids_TK = forced_balanced_ids(T, K, E, scores_GSE.device)
         ids_GSK = ids_TK.reshape(G, S, K)
         slot_A = torch.arange(T * K, device=scores_GSE.device)
         capacity = self._capacity(capacity_factor, S)
@@ -154,6 +158,15 @@ class Router(nn.Module):
         if load_E.sum() > 0:
             self.selection_bias += rate * torch.sign(load_E.mean() - load_E)
         self.pending_load.zero_()
+
+
+def forced_balanced_ids(T: int, K: int, E: int, device) -> torch.Tensor:
+    """long [T, K]: slot t*K+k goes to expert (t*K+k) % E (Megatron-Core's force-balance).
+
+    The K experts of a token are distinct (K <= E), and every expert gets floor or ceil of
+    T*K/E assignments (of S*K/E per group when E divides S*K, as groups start at g*S*K).
+    """
+    return (torch.arange(T * K, device=device) % E).reshape(T, K)
 
 
 def _entropy(probs_GSE: torch.Tensor) -> torch.Tensor:

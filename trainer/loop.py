@@ -144,6 +144,10 @@ def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> 
     layers = models.moe_layers(model)
     if layers:  # the routing semantics the run trains with (adopted models: from their config)
         log.info(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")
+    forced = [layer for _, layer in layers if layer.force_balance]
+    if forced:
+        log.info(f"WARNING: moe.force_balance=true in {len(forced)} MoE layer(s): routing is "
+                 f"forced to an even spread (benchmarking only; losses are not a real model's)")
     log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
              f"{cfg.data.seq_len} tokens)")
     if resume_from is not None:

@@ -48,8 +48,9 @@ def _err(a, b) -> float:
 
 # ----------------------------------------------------------------------------- layer checks
 def _layer_case(rank, P, meshes, E, k, cf, act, force, bias, rows, router="token_choice",
-                dtype=torch.float32):
+                dtype=torch.float32, experts_impl="auto"):
     name = f"P={P} E={E} k={k} cf={cf} {act} force={force} bias={bias} {router} {dtype}"
+    name += "" if experts_impl == "auto" else f" experts_impl={experts_impl}"
     tol = 1 if dtype == torch.float32 else BF16_TOL
     dev = _device()
     torch.manual_seed(100 + E + k)
@@ -64,6 +65,7 @@ def _layer_case(rank, P, meshes, E, k, cf, act, force, bias, rows, router="token
     x_all = torch.randn(P * B, S, D, device=dev).to(dtype)
     g_all = torch.randn(P * B, S, D, device=dev).to(dtype)
     ep = copy.deepcopy(ref)
+    ep.experts.experts_impl = experts_impl  # the reference keeps the default (loop) path
     par = parallelize(ep, meshes.plan, meshes)  # pure EP: dp = ep = P
 
     x_ref = x_all.clone().requires_grad_()
@@ -251,6 +253,9 @@ LAYER_CASES_2 = [
     (4, 2, 1.0, "gelu", (1, 2), False),     # forced over capacity: heavy drops on both ranks
     (4, 2, 1.0, "gelu", None, False, "expert_choice"),
     (4, 2, None, "swiglu", None, False, "token_choice", torch.bfloat16),
+    # grouped GEMMs on each rank against the one-process loop path; then rank 0 empty
+    (4, 2, None, "swiglu", None, True, "token_choice", torch.float32, "grouped_mm"),
+    (4, 2, 1.0, "gelu", (2, 3), True, "token_choice", torch.float32, "grouped_mm"),
 ]
 LAYER_CASES_4 = [
     (8, 1, None, "gelu", None, False),

@@ -12,6 +12,6 @@ def test_bench_quick_runs():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    for name in ("floor", "moekit", "fairscale", "hf"):
+    for name in ("floor", "moekit", "grouped_mm", "balanced", "fairscale", "hf"):
         assert any(f" {name} " in ln and "x floor" in ln for ln in lines), (name, out.stdout)
-    assert any("E sweep" in ln for ln in lines) and sum(ln.startswith("E=") for ln in lines) == 3
+    assert any("E sweep" in ln for ln in lines) and sum(ln.startswith("E=") and "grouped_mm" in ln for ln in lines) == 3

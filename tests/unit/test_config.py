@@ -93,6 +93,8 @@ def test_bad_files(tmp_path):
     (["train.micro_batch_size=3"], 1, ["train.micro_batch_size"]),
     (["data.seq_len=999"], 1, ["data.seq_len", "model.max_seq_len"]),
     (["train.steps=0"], 1, ["train.steps"]),
+    (["moe.experts_impl=fast"], 1, ["moe.experts_impl", "grouped_mm"]),
+    (["moe.force_balance=true", "moe.router=expert_choice"], 1, ["moe.force_balance"]),
     (["parallel.pp=2", "train.micro_batch_size=4", "parallel.microbatches=2",
       "model.tie_embeddings=false"], 2,
      ["train.micro_batch_size", "parallel.microbatches"]),

@@ -1,0 +1,153 @@
+"""Expert FFNs as `torch._grouped_mm` calls: one grouped GEMM per projection and direction.
+
+Shapes: N dispatched rows (sorted by expert), D model dim, F ffn dim, E local experts.
+offs_E: int32 [E], the end row of each expert's slice (cumulative counts), on x's device.
+
+Forward runs 2 (3 gated) grouped GEMMs; backward 2 for the input gradient (dh @ w^T, in the
+2D x 3D form) and 2 (3) for the weight gradients (the 2D x 2D form x^T @ dh, which yields
+[E, D, F] directly, zeros for an expert with no rows). There is no per-expert Python loop
+and no host sync: the offsets come from the counts on the device (a tensor from the
+dispatcher), so the caller need not know the counts on the host.
+
+What `torch._grouped_mm` needs (torch 2.13, checked on CPU): fp32/bf16/fp16 operands (not
+fp64), int32 offsets, and every stride a multiple of 16 bytes, i.e. D and F multiples of 4
+(fp32) or 8 (bf16/fp16). `unsupported_reason` says which of these fails.
+"""
+import torch
+
+EXPERT_IMPLS = ("auto", "loop", "grouped_mm")
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# experts_impl="auto": the measured-faster path per (device type, dtype); anything not listed
+# uses "loop". Measured on this project's 2-core CPU (bench/moe_layer.py, fwd+bwd, T=8192
+# D=512 F=2048 k=2, E=16..256; medians, machine load ~4-7 from other jobs; README has the
+# table): fp32 grouped_mm is slower than the loop at E=16 and not faster at E up to 256;
+# bf16 grouped_mm on CPU is many times slower (it has no oneDNN bf16 kernel behind it).
+# CUDA is not measured here (no GPU), so it keeps "loop" until someone measures it.
+AUTO_IMPL = {}
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, d_model: int, d_ff: int):
+    """Why torch._grouped_mm cannot run experts of this dtype and size, or None if it can."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if dtype not in GROUPED_MM_DTYPES:
+        return f"dtype {dtype} (grouped_mm takes float32, bfloat16 or float16)"
+    size = torch.empty(0, dtype=dtype).element_size()
+    bad = [f"{n}={v} ({v * size} bytes)" for n, v in (("d_model", d_model), ("d_ff", d_ff))
+           if (v * size) % 16]
+    if bad:
+        return (f"{', '.join(bad)} in {dtype}: grouped_mm needs rows of a multiple of 16 "
+                f"bytes")
+    return None
+
+
+def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, d_model: int, d_ff: int) -> str:
+    """"loop" or "grouped_mm" for this call; an explicit "grouped_mm" that cannot run raises."""
+    if impl == "loop":
+        return "loop"
+    reason = unsupported_reason(device, dtype, d_model, d_ff)
+    if impl == "grouped_mm":
+        if reason:
+            raise ValueError(f"experts_impl='grouped_mm' cannot run here: {reason}; use "
+                             f"experts_impl='auto' (falls back to 'loop') or 'loop'")
+        return "grouped_mm"
+    if reason:
+        return "loop"
+    return AUTO_IMPL.get((device.type, dtype), "loop")
+
+
+def offsets_from_counts(counts, device) -> torch.Tensor:
+    """int32 [E] end rows from counts (a long tensor on the device, or Python ints)."""
+    if isinstance(counts, torch.Tensor):
+        return torch.cumsum(counts.to(device), 0, dtype=torch.int32)
+    ends, total = [], 0
+    for c in counts:
+        total += int(c)
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)  # host -> device, no sync back
+
+
+def _gmm(a, b, offs_E):
+    return torch._grouped_mm(a, b, offs=offs_E)
+
+
+def _add_bias(h_NX, b_EX, expert_N):
+    return h_NX if b_EX is None else h_NX + b_EX[expert_N]
+
+
+class _GroupedMMFFN(torch.autograd.Function):
+    """All experts' FFNs as grouped GEMMs; saves h1 (h3) and a, like the loop path."""
+
+    @staticmethod
+    def forward(ctx, x_ND, offs_E, act_fn, glu_fn, act_bwd, w1, w2, w3, b1, b2, b3):
+        N, gated = x_ND.shape[0], w3 is not None
+        has_bias = any(b is not None for b in (b1, b2, b3))
+        # expert of each row, only for biases: counts how many ends lie at or before the row
+        expert_N = (torch.searchsorted(offs_E, torch.arange(N, device=x_ND.device,
+                                                            dtype=torch.int32), right=True)
+                    if has_bias else None)
+        h1 = _add_bias(_gmm(x_ND, w1, offs_E), b1, expert_N)
+        h3 = _add_bias(_gmm(x_ND, w3, offs_E), b3, expert_N) if gated else None
+        a = glu_fn(h1, h3) if gated else act_fn(h1)
+        y_ND = _add_bias(_gmm(a, w2, offs_E), b2, expert_N)
+        ctx.act_fn, ctx.glu_fn, ctx.act_bwd = act_fn, glu_fn, act_bwd
+        ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
+        ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, a)
+        return y_ND
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy_ND):
+        x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, a = ctx.saved_tensors
+        dy_ND = dy_ND.contiguous()
+        gated = w3 is not None
+        da = _gmm(dy_ND, w2.transpose(-2, -1), offs_E)
+        dh1, dh3 = _glu_backward(ctx.act_fn, ctx.glu_fn, ctx.act_bwd, da, h1, h3)
+        dx = dw1 = dw2 = dw3 = db1 = db2 = db3 = None
+        if ctx.needs_input_grad[0]:
+            dx = _gmm(dh1, w1.transpose(-2, -1), offs_E)
+            if gated:
+                dx = dx + _gmm(dh3, w3.transpose(-2, -1), offs_E)
+        if any(ctx.needs_input_grad[5:]):
+            dw1 = _gmm(x_ND.t(), dh1, offs_E)
+            dw2 = _gmm(a.t(), dy_ND, offs_E)
+            dw3 = _gmm(x_ND.t(), dh3, offs_E) if gated else None
+            E = w1.shape[0]
+            db1, db2, db3 = (
+                x_ND.new_zeros(E, src.shape[-1]).index_add_(0, expert_N, src) if has else None
+                for has, src in zip(ctx.has_bias, (dh1, dy_ND, dh3)))
+        return dx, None, None, None, None, dw1, dw2, dw3, db1, db2, db3
+
+
+def _glu_backward(act_fn, glu_fn, kernel, da, h1, h3):
+    """(dh1, dh3) from da = dL/d(activation output); kernel(grad, h) is the activation's
+    aten backward when there is one, else autograd runs on a recomputed activation."""
+    if h3 is None:
+        if kernel is not None:
+            return kernel(da, h1), None
+        return _autograd_grads(lambda h: act_fn(h), da, h1)[0], None
+    if kernel is not None:
+        return kernel(da * h3, h1), da * act_fn(h1)
+    return _autograd_grads(glu_fn, da, h1, h3)
+
+
+def _autograd_grads(fn, grad, *inputs):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in inputs]
+        return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
+def grouped_mm_ffn(x_ND, counts, act_fn, glu_fn, act_bwd, w1, w2, w3=None, b1=None, b2=None,
+                   b3=None):
+    """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND via grouped GEMMs.
+
+    act_fn: the activation (ungated banks); glu_fn(h1, h3): the gated combination (gated
+    banks); act_bwd(grad, h1): act_fn's backward kernel or None (autograd recomputes).
+    counts: long [E] tensor (no host sync) or Python ints.
+    """
+    if len(counts) != w1.shape[0]:
+        raise ValueError(f"counts has {len(counts)} entries for {w1.shape[0]} local experts")
+    offs_E = offsets_from_counts(counts, x_ND.device)
+    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act_fn, glu_fn, act_bwd,
+                               w1, w2, w3, b1, b2, b3)
