@@ -250,7 +250,11 @@ def _restore_rng(ctx, path) -> dict:
     info = read_trainer_state(path)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     if info.get("world_size") == ctx.world_size and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: name it, not pickle internals
+            raise ValueError(f"{rng_file} is unreadable ({type(e).__name__}); restore it or resume "
+                             f"from an older checkpoint") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

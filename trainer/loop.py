@@ -38,10 +38,13 @@ from .tasks import Task, sentinels_needed, token_loss
 def run(cfg) -> int:
     """Train according to `cfg` (a trainer.config.Config). ConfigError for user mistakes."""
     ctx = init_distributed(cfg.run.device, cfg.run.dist_timeout_s)
+    ok = False
     try:
-        return _run(cfg, ctx)
+        code = _run(cfg, ctx)
+        ok = True
+        return code
     finally:
-        shutdown(ctx)
+        shutdown(ctx, ok)
 
 
 def _prepare_data(cfg, ctx) -> Path:
