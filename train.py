@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from trainer.config import ConfigError, help_text, load_config, to_toml
     from trainer.distributed import env_rank
+    from trainer.stops import Stopped
     try:
         path, overrides, flags = parse_args(argv)
         if "help" in flags:
@@ -82,6 +83,12 @@ def main(argv=None) -> int:
         from trainer.launcher import record_error_line
         record_error_line(f"error: {e}")  # shown in torchrun's failure summary
         return 2
+    except Stopped as e:  # the same on every rank: rank 0 says it, each records it
+        if env_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        from trainer.launcher import record_error_line
+        record_error_line(f"error: {e}")
+        return e.exit_code
     except Exception as e:  # noqa: BLE001 - reported as one line (traceback above it), exit 1
         return _report_failure(e)
     except KeyboardInterrupt:

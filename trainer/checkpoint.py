@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from .distributed import barrier
+from .distributed import all_agree, barrier
 
 # ZeRO-1/2 optimizers step private flat slices; their state is saved gathered into the
 # parameter-shaped, name-keyed form get_state_dict gives for the other layouts, so any
@@ -150,6 +150,10 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
     final = step_dir(run_dir, step)
     if final.is_dir() and (final / "COMPLETE").is_file():
         return final  # this exact step is already saved (e.g. resumed at the last step)
+    bad = _first_non_finite(par.model)
+    if not all_agree(ctx, bad is None):  # never replace (or prune) a good checkpoint with this
+        raise ValueError(f"refusing to save a checkpoint at step {step}: non-finite weights"
+                         + (f" in {bad}" if bad else " on another rank"))
     tmp = final.with_name(".tmp-" + final.name)
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -173,6 +177,15 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
             shutil.rmtree(stale, ignore_errors=True)
     barrier(ctx)
     return final
+
+
+def _first_non_finite(model):
+    """The name of the first parameter (this rank's part of it) holding inf or NaN, or None."""
+    for name, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(t.detach()).all()):
+            return name
+    return None
 
 
 @contextlib.contextmanager

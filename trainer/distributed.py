@@ -100,6 +100,16 @@ def all_agree(ctx: DistContext, ok: bool) -> bool:
     return int(flag.item()) == 0
 
 
+def any_rank(ctx: DistContext, flags: list) -> list:
+    """Each flag True if it is True on any rank: one small all-reduce, so every rank takes the
+    same branch (skip a step, stop) whatever it saw locally."""
+    if not ctx.distributed:
+        return [bool(f) for f in flags]
+    t = torch.tensor([1 if f else 0 for f in flags], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
 def mean_over(values: torch.Tensor, group=None) -> torch.Tensor:
     """Average a tensor over a process group (identity without one)."""
     if group is None and not dist.is_initialized():
