@@ -85,9 +85,9 @@ def main(argv=None) -> int:
         return 2
     except Stopped as e:  # the same on every rank: rank 0 says it, each records it
         if env_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"{e.label}: {e}", file=sys.stderr, flush=True)
         from trainer.launcher import record_error_line
-        record_error_line(f"error: {e}")
+        record_error_line(f"{e.label}: {e}")
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - reported as one line (traceback above it), exit 1
         return _report_failure(e)

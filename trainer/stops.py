@@ -10,6 +10,7 @@ import sys
 
 class Stopped(Exception):
     exit_code = 1
+    label = "error"  # the line starts "<label>: "
 
 
 class Diverged(Stopped):
@@ -21,6 +22,7 @@ class Preempted(Stopped):
     """SIGTERM: the step was finished and a checkpoint saved. 143 = 128 + SIGTERM, what a
     scheduler expects from a terminated job (not a success, not a crash)."""
     exit_code = 143
+    label = "preempted"
 
 
 class StopRequest:
