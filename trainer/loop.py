@@ -25,7 +25,7 @@ from parallel.ledger import model_state_bytes
 from parallel.mesh import build_meshes
 from parallel.precision import DynamicLossScaler
 
-from . import checkpoint
+from . import checkpoint, lock
 from .config import ConfigError, to_dict, to_toml, validate
 from .distributed import any_rank, barrier, init_distributed, shutdown
 from .metrics import MetricsLogger
@@ -83,7 +83,15 @@ def _check_vocab(cfg, data_dir, arch: str) -> None:
 
 def _run(cfg, ctx) -> int:
     plan = validate(cfg, ctx.world_size)
-    cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0
+    cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0; locked
+    try:
+        return _train(cfg, ctx, plan, resume_from)
+    finally:
+        if ctx.is_main:
+            lock.release(cfg.run.dir)
+
+
+def _train(cfg, ctx, plan, resume_from) -> int:
     run_dir = Path(cfg.run.dir)
     data_dir = _prepare_data(cfg, ctx)
     arch = task_arch(cfg)

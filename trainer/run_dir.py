@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, lock
 from .config import ConfigError, to_dict
 
 AUTO = "auto"
@@ -36,14 +36,23 @@ def _has_records(path: Path) -> bool:
 
 def prepare_run(cfg, ctx):
     """(cfg with run.dir resolved, the checkpoint to resume from or None); prints the run dir
-    on rank 0. Every rank gets rank 0's choice; ConfigError on every rank for a bad run.dir."""
+    on rank 0. Every rank gets rank 0's choice; ConfigError on every rank for a bad run.dir.
+    Rank 0 then holds run.dir's lock (trainer/lock.py; release it with lock.release)."""
     auto = cfg.run.dir == AUTO
     if auto:
         path = _on_main(ctx, lambda: str(_auto_dir(cfg)))
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=path))
+    # before anything reads or moves checkpoints: one live run per directory (rank 0 holds it)
+    _on_main(ctx, lambda: lock.acquire(cfg.run.dir),
+             lambda e: f"cannot create run.dir={cfg.run.dir!r} or its lock: {e}; choose a writable path")
     # rank 0 alone reads (verifies, moves aside) the checkpoints; the others take its answer
-    found = _on_main(ctx, lambda: str(plan_start(cfg, ctx.world_size) or ""),
-                     lambda e: f"cannot read the checkpoints in run.dir={cfg.run.dir!r}: {e}")
+    try:
+        found = _on_main(ctx, lambda: str(plan_start(cfg, ctx.world_size) or ""),
+                         lambda e: f"cannot read the checkpoints in run.dir={cfg.run.dir!r}: {e}")
+    except ConfigError:
+        if ctx.is_main:
+            lock.release(cfg.run.dir)
+        raise
     resume_from = Path(found) if found else None
     if ctx.is_main:
         how = "run.dir=auto, " if auto else ""

@@ -55,3 +55,23 @@ def test_sigterm_saves_at_the_current_step_and_resume_loses_nothing(tmp_path, ca
     more = train(common + ["train.resume=true", f"train.steps={last + 2}"], tmp_path, nproc=2)
     assert f"resuming {ckpt.name}" in more.stdout
     assert [r["step"] for r in records(run)] == list(range(1, last + 3))
+
+
+def test_second_run_on_a_live_run_dir_is_refused_and_the_lock_goes_with_the_run(tmp_path, cache):
+    run = tmp_path / "run"
+    common = TINY + [f"data.cache_dir={cache}", f"run.dir={run}", "checkpoint.every=0"]
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    first = subprocess.Popen([sys.executable, "train.py", *common, "train.steps=100000"], cwd=ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(run, 2, first)
+        second = train(common + ["train.resume=true", "train.steps=100000"], tmp_path, check=False)
+        assert second.returncode == 2
+        assert f"is in use by a live run: pid {first.pid}, started" in second.stderr, second.stderr
+        assert first.poll() is None  # the live run goes on undisturbed
+        first.send_signal(signal.SIGTERM)  # one process: the same preemption path
+        _, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 143 and "preempted: stopped by SIGTERM after step" in err, err[-2000:]
+    assert not (run / "run.lock").exists()  # released on the way out
