@@ -81,6 +81,23 @@ def _check_vocab(cfg, data_dir, arch: str) -> None:
                           f"model.vocab_size={need} or more")
 
 
+def check_splits(cfg, train_sequences: int, val_sequences: int, dp: int) -> None:
+    """Before step 1 (not at the first evaluation, hours in): each split must feed the layout.
+    Every data-parallel rank evaluates at least one validation sequence; a global batch needs
+    that many distinct training sequences."""
+    d = cfg.data
+    fix = (f"lower data.seq_len={d.seq_len}, raise data.max_bytes={d.max_bytes} (0 = all) or "
+           f"use a larger data.source")
+    if train_sequences < cfg.train.batch_size:
+        raise ConfigError(f"the training split has {train_sequences} sequences of {d.seq_len} "
+                          f"tokens, fewer than train.batch_size={cfg.train.batch_size}; {fix}")
+    needs_val = cfg.train.eval_every > 0 or cfg.log.profile_every > 0
+    if needs_val and val_sequences < dp:
+        raise ConfigError(f"the validation split has {val_sequences} sequence(s) of {d.seq_len} "
+                          f"tokens, fewer than the {dp} data-parallel ranks that evaluate; raise "
+                          f"data.val_fraction={d.val_fraction}, {fix}, or set train.eval_every=0")
+
+
 def _run(cfg, ctx) -> int:
     plan = validate(cfg, ctx.world_size)
     cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0; locked
@@ -103,6 +120,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     train_file = open_split(data_dir, "train", cfg.data.seq_len)
     val_file = open_split(data_dir, "val", cfg.data.seq_len)
+    check_splits(cfg, train_file.num_sequences, val_file.num_sequences, plan.dp)
 
     torch.manual_seed(cfg.train.seed)
     meshes = build_meshes(plan, ctx.device.type) if ctx.distributed else None

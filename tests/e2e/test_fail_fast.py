@@ -24,3 +24,15 @@ def test_error_on_rank1_only_ends_the_job_quickly(tmp_path, cache):
     summary = out.stderr[out.stderr.index("Root Cause"):]
     assert "rank      : 1" in summary and "rng_rank1.pt is unreadable" in summary, summary
     assert took < 60, f"took {took:.0f}s: a rank waited for the process-group timeout"
+
+
+def test_validation_split_smaller_than_dp_is_refused_before_step_1(tmp_path):
+    run = tmp_path / "run"
+    # 100 KB of text in 4096-token sequences: one validation sequence for two dp ranks
+    out = train(TINY + [f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={run}", "parallel.dp=2",
+                        "data.max_bytes=100000", "data.seq_len=4096", "model.max_seq_len=4096",
+                        "train.batch_size=2", "train.eval_every=2", "train.steps=2"],
+                tmp_path, nproc=2, check=False)
+    line = "error: the validation split has 1 sequence(s) of 4096 tokens, fewer than the 2 data-parallel"
+    assert out.returncode != 0 and line in out.stderr[out.stderr.index("Root Cause"):], out.stderr[-3000:]
+    assert not (run / "metrics.jsonl").exists()  # refused before the first step
