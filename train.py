@@ -53,7 +53,8 @@ def _report_failure(e: Exception) -> int:
     first = (str(e).strip().splitlines() or [""])[0]
     line = f"error on rank {env_rank()}: {type(e).__name__}: {first}"
     if lost_peer(e):
-        print(f"rank {env_rank()}: stopping, another rank failed ({line})", file=sys.stderr, flush=True)
+        print(f"rank {env_rank()}: stopping, another rank failed first (here: {first[:120]})",
+              file=sys.stderr, flush=True)
         return 1
     traceback.print_exc()
     print(line, file=sys.stderr, flush=True)

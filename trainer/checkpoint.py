@@ -362,8 +362,8 @@ def _restore_rng(ctx, path) -> dict:
         try:
             rng = torch.load(rng_file, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file: name it, not pickle internals
-            raise ValueError(f"{rng_file} is unreadable ({type(e).__name__}); restore it or resume "
-                             f"from an older checkpoint") from None
+            raise ValueError(f"{rng_file} is unreadable (not an RNG state saved by torch.save); "
+                             f"restore it or resume from an older checkpoint") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
