@@ -46,15 +46,17 @@ def parse_args(argv):
 def _report_failure(e: Exception) -> int:
     """An unexpected error on this rank: the traceback to stderr, then one line naming the rank
     and the error, which torchrun's summary shows as the root cause. A rank that only lost its
-    peers (their process died first) says so and leaves the root cause to the rank that failed."""
+    peers (their process died first) says so in one line and leaves the root cause to the rank
+    that failed."""
     import traceback
     from trainer.distributed import env_rank, lost_peer
     from trainer.launcher import record_error_line
     first = (str(e).strip().splitlines() or [""])[0]
     line = f"error on rank {env_rank()}: {type(e).__name__}: {first}"
     if lost_peer(e):
-        print(f"rank {env_rank()}: stopping, another rank failed first (here: {first[:120]})",
-              file=sys.stderr, flush=True)
+        short = f"rank {env_rank()}: stopping, another rank failed first (here: {first[:120]})"
+        print(short, file=sys.stderr, flush=True)
+        record_error_line(short, consequence=True)
         return 1
     traceback.print_exc()
     print(line, file=sys.stderr, flush=True)
