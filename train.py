@@ -43,10 +43,32 @@ def parse_args(argv):
     return path, overrides, flags
 
 
+def _report_failure(e: Exception) -> int:
+    """An unexpected error on this rank: the traceback to stderr, then one line naming the rank
+    and the error, which torchrun's summary shows as the root cause. A rank that only lost its
+    peers (their process died first) says so in one line and leaves the root cause to the rank
+    that failed."""
+    import traceback
+    from trainer.distributed import env_rank, lost_peer
+    from trainer.launcher import record_error_line
+    first = (str(e).strip().splitlines() or [""])[0]
+    line = f"error on rank {env_rank()}: {type(e).__name__}: {first}"
+    if lost_peer(e):
+        short = f"rank {env_rank()}: stopping, another rank failed first (here: {first[:120]})"
+        print(short, file=sys.stderr, flush=True)
+        record_error_line(short, consequence=True)
+        return 1
+    traceback.print_exc()
+    print(line, file=sys.stderr, flush=True)
+    record_error_line(line)
+    return 1
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from trainer.config import ConfigError, help_text, load_config, to_toml
     from trainer.distributed import env_rank
+    from trainer.stops import Stopped
     try:
         path, overrides, flags = parse_args(argv)
         if "help" in flags:
@@ -64,6 +86,14 @@ def main(argv=None) -> int:
         from trainer.launcher import record_error_line
         record_error_line(f"error: {e}")  # shown in torchrun's failure summary
         return 2
+    except Stopped as e:  # the same on every rank: rank 0 says it, each records it
+        if env_rank() == 0:
+            print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        from trainer.launcher import record_error_line
+        record_error_line(f"{e.label}: {e}")
+        return e.exit_code
+    except Exception as e:  # noqa: BLE001 - reported as one line (traceback above it), exit 1
+        return _report_failure(e)
     except KeyboardInterrupt:
         if env_rank() == 0:
             print("interrupted; the last complete checkpoint is kept (resume with train.resume=true)",

@@ -4,13 +4,19 @@ Layout of run.dir/checkpoints/step_00000100/:
   DCP files       model and optimizer state (sharded tensors are resharded on load)
   trainer.json    step, scheduler, sampler position, resolved config, world size
   rng_rank<r>.pt  each rank's RNG states (restored only when the world size is unchanged)
+  manifest.json   size and sha256 of every file above, so a resume can check them
   COMPLETE        written last, before the rename
 
 A save goes to checkpoints/.tmp-step_.../ and is renamed into place only when every rank
 has finished writing, so a crash mid-save leaves a temp dir that is never taken for a
-checkpoint; older checkpoints are pruned only after the new one is complete.
+checkpoint; older checkpoints are pruned only after the new one is complete. Every file is
+fsync'd before COMPLETE is written, and the directories after the rename, so a power loss
+cannot leave a COMPLETE checkpoint with missing data. A resume checks the newest checkpoint
+against its manifest (verify) and falls back to an older one; rejected and half-written
+step directories are moved to checkpoints/rejected/ (kept for inspection, never loaded).
 """
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -23,13 +29,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from .distributed import barrier
+from .distributed import all_agree, barrier
 
 # ZeRO-1/2 optimizers step private flat slices; their state is saved gathered into the
 # parameter-shaped, name-keyed form get_state_dict gives for the other layouts, so any
 # layout can load it (see _zero_optim_state).
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+REJECTED = "rejected"  # checkpoints/rejected/: step dirs moved aside, never loaded or pruned
 # Fields that change behaviour but not parameter shapes: a resume may change them.
 NON_STRUCTURAL = {"model": {"dropout"},
                   "moe": {"capacity_factor", "eval_capacity_factor", "aux_loss_coef",
@@ -150,6 +158,10 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
     final = step_dir(run_dir, step)
     if final.is_dir() and (final / "COMPLETE").is_file():
         return final  # this exact step is already saved (e.g. resumed at the last step)
+    bad = _first_non_finite(par.model)
+    if not all_agree(ctx, bad is None):  # never replace (or prune) a good checkpoint with this
+        raise ValueError(f"refusing to save a checkpoint at step {step}: non-finite weights"
+                         + (f" in {bad}" if bad else " on another rank"))
     tmp = final.with_name(".tmp-" + final.name)
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,14 +169,19 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
     barrier(ctx)
     with _quiet_single_process(ctx):
         dcp.save(_model_optim_state(par, optimizer), checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
+    rng_file = tmp / f"rng_rank{ctx.rank}.pt"
+    torch.save(_rng_state(), rng_file)
+    _fsync_file(rng_file)
     if ctx.is_main:
         state = dict(trainer_state, step=step, world_size=ctx.world_size)
-        (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+        _write_synced(tmp / "trainer.json", json.dumps(state, indent=1))
     barrier(ctx)  # every rank's files are written before the checkpoint is declared complete
     if ctx.is_main:
-        (tmp / "COMPLETE").write_text(f"{step}\n")
+        _write_synced(tmp / MANIFEST, json.dumps(_manifest(tmp), indent=1))  # fsyncs the DCP files
+        _write_synced(tmp / "COMPLETE", f"{step}\n")
         _fsync_dir(tmp)
+        if final.exists():  # a step dir without COMPLETE (a copy, an old crash): keep it aside
+            move_aside(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
         for _, old in list_complete(run_dir)[:-keep]:
@@ -175,6 +192,15 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
     return final
 
 
+def _first_non_finite(model):
+    """The name of the first parameter (this rank's part of it) holding inf or NaN, or None."""
+    for name, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(t.detach()).all()):
+            return name
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_single_process(ctx):
     """DCP warns that it assumes one process when there is no process group: that is intended."""
@@ -182,6 +208,89 @@ def _quiet_single_process(ctx):
         if not ctx.distributed:
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         yield
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:  # fsync needs no write access; it flushes the file's pages
+        os.fsync(f.fileno())
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        os.fsync(f.fileno())  # every rank's DCP files reach the disk before COMPLETE exists
+    return h.hexdigest()
+
+
+def _manifest(ckpt: Path) -> dict:
+    """{file name: {"bytes", "sha256"}} of every file of the checkpoint but the marker files."""
+    files = sorted(p for p in ckpt.iterdir() if p.is_file() and p.name not in (MANIFEST, "COMPLETE"))
+    return {"files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+
+
+def verify(ckpt) -> str:
+    """'' when the checkpoint is complete and every file matches its manifest, else one line
+    naming the first wrong file. A checkpoint from before manifests is only checked for its
+    COMPLETE marker and a readable trainer.json."""
+    ckpt = Path(ckpt)
+    if not (ckpt / "COMPLETE").is_file():
+        return f"{ckpt / 'COMPLETE'} is missing (the save did not finish)"
+    listed = {}
+    if (ckpt / MANIFEST).exists():
+        try:
+            listed = json.loads((ckpt / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"{ckpt / MANIFEST} is unreadable ({type(e).__name__})"
+    for name, want in listed.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{path} does not match its sha256 in the manifest (corrupted)"
+    try:
+        json.loads((ckpt / "trainer.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{ckpt / 'trainer.json'} is unreadable ({type(e).__name__})"
+    return ""
+
+
+def move_aside(path: Path) -> Path:
+    """Move a bad or half-written step dir to checkpoints/rejected/ (a fresh name there)."""
+    dest_root = path.parent / REJECTED
+    dest_root.mkdir(exist_ok=True)
+    n, dest = 0, dest_root / path.name
+    while dest.exists():
+        n += 1
+        dest = dest_root / f"{path.name}.{n}"
+    os.replace(path, dest)
+    return dest
+
+
+def newest_good(run_dir, say=print, move: bool = True):
+    """The newest checkpoint that verifies, or None. Newer ones that do not verify (and
+    step dirs without COMPLETE) are named, one line each to `say`, and with `move` (rank 0
+    only) moved aside, so training past them saves those steps afresh."""
+    root = checkpoint_root(run_dir)
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))) \
+        if root.is_dir() else []
+    for _, path in reversed(steps):
+        problem = verify(path)
+        if not problem:
+            return path
+        where = f"; moved to {move_aside(path)}" if move else ""
+        say(f"checkpoint {path.name} rejected: {problem}{where}")
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -229,7 +338,7 @@ def load_model_weights(path, par) -> Path:
     checkpoint) or a checkpoint dir, into `par.model` (one process or any layout)."""
     path = Path(path)
     if checkpoint_root(path).is_dir():
-        found = latest(path)
+        found = newest_good(path, say=lambda line: warnings.warn(line), move=False)
         if found is None:
             raise ValueError(f"{checkpoint_root(path)} holds no complete checkpoint")
         path = found
@@ -250,7 +359,11 @@ def _restore_rng(ctx, path) -> dict:
     info = read_trainer_state(path)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     if info.get("world_size") == ctx.world_size and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: name it, not pickle internals
+            raise ValueError(f"{rng_file} is unreadable (not an RNG state saved by torch.save); "
+                             f"restore it or resume from an older checkpoint") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

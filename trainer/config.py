@@ -230,6 +230,7 @@ def _check_own(cfg: Config) -> None:
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     _require(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
+    _require(t.max_skipped_steps >= 0, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 0 (0 = never stop)")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
     _require(t.eval_every >= 0 and t.eval_batches >= 1,
              "train.eval_every must be >= 0 and train.eval_batches >= 1")

@@ -64,11 +64,31 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def shutdown(ctx: DistContext) -> None:
-    # a barrier before teardown avoids a rare gloo abort at exit (ENV.md trap 2)
-    if ctx.distributed and dist.is_initialized():
+def shutdown(ctx: DistContext, ok: bool = True) -> None:
+    """Tear the process group down. After a success every rank is here, and a barrier first
+    avoids a rare gloo abort at exit (ENV.md trap 2). After an error the other ranks may be
+    blocked in some other collective (or gone): a barrier would wait for run.dist_timeout_s,
+    so the group is dropped at once and this process exits; the peers' next collective then
+    fails on the closed connection (and torchrun stops the rest)."""
+    if not (ctx.distributed and dist.is_initialized()):
+        return
+    if ok:
         dist.barrier()
         dist.destroy_process_group()
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - already failing; the first error is the one to report
+        pass
+
+
+def lost_peer(e: BaseException) -> bool:
+    """True for the error a collective raises because another rank's process went away
+    (a consequence of that rank's failure, not a cause)."""
+    text = str(e)
+    return isinstance(e, (dist.DistBackendError, dist.DistNetworkError, RuntimeError)) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                            "Socket closed"))
 
 
 def all_agree(ctx: DistContext, ok: bool) -> bool:
@@ -78,6 +98,16 @@ def all_agree(ctx: DistContext, ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1], device=ctx.device)
     dist.all_reduce(flag)
     return int(flag.item()) == 0
+
+
+def any_rank(ctx: DistContext, flags: list) -> list:
+    """Each flag True if it is True on any rank: one small all-reduce, so every rank takes the
+    same branch (skip a step, stop) whatever it saw locally."""
+    if not ctx.distributed:
+        return [bool(f) for f in flags]
+    t = torch.tensor([1 if f else 0 for f in flags], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
 
 
 def mean_over(values: torch.Tensor, group=None) -> torch.Tensor:

@@ -25,23 +25,30 @@ from parallel.ledger import model_state_bytes
 from parallel.mesh import build_meshes
 from parallel.precision import DynamicLossScaler
 
-from . import checkpoint
+from . import checkpoint, lock
 from .config import ConfigError, to_dict, to_toml, validate
-from .distributed import barrier, init_distributed, shutdown
+from .distributed import any_rank, barrier, init_distributed, shutdown
 from .metrics import MetricsLogger
 from .model import build_model, init_fn, task_arch
 from .optim import WarmupCosine, build_optimizer
 from .run_dir import clear_run, prepare_run
+from .stops import Diverged, Preempted, StopRequest, Stopped
 from .tasks import Task, sentinels_needed, token_loss
 
 
 def run(cfg) -> int:
     """Train according to `cfg` (a trainer.config.Config). ConfigError for user mistakes."""
     ctx = init_distributed(cfg.run.device, cfg.run.dist_timeout_s)
+    ok = False
     try:
-        return _run(cfg, ctx)
+        code = _run(cfg, ctx)
+        ok = True
+        return code
+    except Stopped:
+        ok = True  # every rank stops at the same step: the ordinary (barrier) teardown is safe
+        raise
     finally:
-        shutdown(ctx)
+        shutdown(ctx, ok)
 
 
 def _prepare_data(cfg, ctx) -> Path:
@@ -79,9 +86,34 @@ def _check_vocab(cfg, data_dir, arch: str) -> None:
                           f"model.vocab_size={need} or more")
 
 
+def check_splits(cfg, train_sequences: int, val_sequences: int, dp: int) -> None:
+    """Before step 1 (not at the first evaluation, hours in): each split must feed the layout.
+    Every data-parallel rank evaluates at least one validation sequence; a global batch needs
+    that many distinct training sequences."""
+    d = cfg.data
+    fix = (f"lower data.seq_len={d.seq_len}, raise data.max_bytes={d.max_bytes} (0 = all) or "
+           f"use a larger data.source")
+    if train_sequences < cfg.train.batch_size:
+        raise ConfigError(f"the training split has {train_sequences} sequences of {d.seq_len} "
+                          f"tokens, fewer than train.batch_size={cfg.train.batch_size}; {fix}")
+    needs_val = cfg.train.eval_every > 0 or cfg.log.profile_every > 0
+    if needs_val and val_sequences < dp:
+        raise ConfigError(f"the validation split has {val_sequences} sequence(s) of {d.seq_len} "
+                          f"tokens, fewer than the {dp} data-parallel ranks that evaluate; raise "
+                          f"data.val_fraction={d.val_fraction}, {fix}, or set train.eval_every=0")
+
+
 def _run(cfg, ctx) -> int:
     plan = validate(cfg, ctx.world_size)
-    cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0
+    cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0; locked
+    try:
+        return _train(cfg, ctx, plan, resume_from)
+    finally:
+        if ctx.is_main:
+            lock.release(cfg.run.dir)
+
+
+def _train(cfg, ctx, plan, resume_from) -> int:
     run_dir = Path(cfg.run.dir)
     data_dir = _prepare_data(cfg, ctx)
     arch = task_arch(cfg)
@@ -93,6 +125,7 @@ def _run(cfg, ctx) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     train_file = open_split(data_dir, "train", cfg.data.seq_len)
     val_file = open_split(data_dir, "val", cfg.data.seq_len)
+    check_splits(cfg, train_file.num_sequences, val_file.num_sequences, plan.dp)
 
     torch.manual_seed(cfg.train.seed)
     meshes = build_meshes(plan, ctx.device.type) if ctx.distributed else None
@@ -121,16 +154,14 @@ def _run(cfg, ctx) -> int:
     if ctx.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
-    try:
+    with StopRequest() as stop_request, contextlib.closing(log):
         _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device),
-                          first_step=start + 1)
+                          first_step=start + 1, stop_request=stop_request)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)
-    finally:
-        log.close()
     return 0
 
 
@@ -158,12 +189,15 @@ class Trainer:
     """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
-                 first_step: int):
+                 first_step: int, stop_request=None):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
         self.moe = models.moe_layers(par.model)
         self.first_step = first_step  # model_state_bytes are logged on it
+        self.stop_request = stop_request  # SIGTERM seen by this process
+        self.in_a_row = 0  # consecutive steps skipped as non-finite
+        self.last_saved = None
 
     def step(self, n: int) -> None:
         t0 = time.perf_counter()
@@ -173,31 +207,39 @@ class Trainer:
         with counting:  # the training part of the step: its bytes by kind
             loss, aux, stats = self._forward_backward(scale)
             with self.par.comm_label("other"):
-                skipped = self.scaler is not None and self.scaler.unscale_(self.par.grads())
-            grad_norm = None if skipped else float(self.par.clip_grad_norm_(self.cfg.train.grad_clip))
-            if not skipped:  # an fp16 overflow leaves weights, optimizer state and schedule alone
+                overflow = self.scaler is not None and self.scaler.unscale_(self.par.grads())
+                norm = None if overflow else self.par.clip_grad_norm_(self.cfg.train.grad_clip)
+                diverged, stop = self._agree(loss + aux, norm)
+            if not (overflow or diverged):  # a skip leaves weights, optimizer state and schedule
                 self.optimizer.step()
                 self.sched.step()
                 self._update_bias()
+        skipped = overflow or diverged
         rec = {"step": n}
         if n == self.first_step:  # what this rank holds, by device, read from the tensors
             rec["model_state_bytes"] = model_state_bytes(self.model, self.par.grads(), self.optimizer)
         loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
         dt = time.perf_counter() - t0
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
-        rec.update(loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / dt,
-                   step_time_s=dt)
+        rec.update(loss=loss, aux_loss=aux, lr=lr, grad_norm=None if skipped else float(norm),
+                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=skipped)
+        if diverged:
+            rec["skip_reason"] = "non-finite loss or gradient norm"
         if self.cfg.log.comm_bytes:
             rec["comm_bytes"] = self.par.ledger.take() if self.par.ledger is not None else {}
         if self.scaler is not None:
-            self.scaler.update(skipped)
-            rec.update(loss_scale=scale, skipped=skipped)
-            if skipped:
+            self.scaler.update(overflow)
+            rec["loss_scale"] = scale
+            if overflow:
+                rec["skip_reason"] = "fp16 gradient overflow"
                 self.log.info(f"step {n}: fp16 gradient overflow, step skipped; loss scale "
                               f"{scale:g} -> {self.scaler.scale_value:g}")
-        if self._due(n, self.cfg.train.eval_every):
+        self._count_divergence(n, diverged, overflow)
+        if self._due(n, self.cfg.train.eval_every) and not self.in_a_row:
             rec["val_loss"] = self.evaluate()
         self.log.log_step(rec)
+        if self.in_a_row:
+            self._stop_if_diverged(n)
         # a collective: decided from the config, not from this rank's (pipeline stage's) layers
         if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
             self.log.log_moe(n, self.par.sum_routing_stats(
@@ -205,8 +247,38 @@ class Trainer:
         if self._due(n, self.cfg.log.profile_every, at_end=False) and self.cfg.moe.every > 0:
             from .profiling import profile_at_step
             profile_at_step(self, n)
-        if self._due(n, self.cfg.checkpoint.every, at_end=self.cfg.checkpoint.at_end):
+        if stop or self._due(n, self.cfg.checkpoint.every, at_end=self.cfg.checkpoint.at_end):
             self.save(n)
+        if stop:
+            raise Preempted(f"stopped by SIGTERM after step {n}"
+                            + (f"; checkpoint {self.last_saved} saved" if self.last_saved else "")
+                            + "; continue with train.resume=true")
+
+    def _agree(self, total_loss: torch.Tensor, norm):
+        """(diverged, stop) the same on every rank: a non-finite loss or gradient norm on any
+        rank, a SIGTERM received by any rank. One all-reduce per step."""
+        bad = not bool(torch.isfinite(total_loss.detach()).all())
+        if norm is not None:
+            bad = bad or not bool(torch.isfinite(norm))
+        return any_rank(self.ctx, [bad, self.stop_request.requested])
+
+    def _count_divergence(self, n: int, diverged: bool, overflow: bool) -> None:
+        if diverged:
+            self.in_a_row += 1
+            limit = self.cfg.train.max_skipped_steps
+            self.log.info(f"step {n}: non-finite loss or gradient norm, step skipped "
+                          f"({self.in_a_row} in a row" + (f", stop at {limit})" if limit else ")"))
+        elif not overflow:  # fp16 overflows are the loss scaler's business, not divergence
+            self.in_a_row = 0
+
+    def _stop_if_diverged(self, n: int) -> None:
+        limit = self.cfg.train.max_skipped_steps
+        if limit and self.in_a_row >= limit:
+            good = checkpoint.latest(self.cfg.run.dir)
+            raise Diverged(f"training diverged: non-finite loss or gradient norm in {self.in_a_row} "
+                           f"consecutive steps, the last at step {n} (train.max_skipped_steps="
+                           f"{limit}); last good checkpoint: {good or 'none'}; lower train.lr or "
+                           f"resume from it with train.resume=true")
 
     def _due(self, n: int, every: int, at_end: bool = True) -> bool:
         return (every > 0 and n % every == 0) or (at_end and n == self.cfg.train.steps)
@@ -274,6 +346,9 @@ class Trainer:
         return float(par.mean_over_dp((total / len(idx)).reshape(1))[0])
 
     def save(self, n: int) -> None:
+        if self.in_a_row:  # the weights may already be damaged: keep the last good checkpoint
+            self.log.info(f"step {n}: no checkpoint while steps are being skipped as non-finite")
+            return
         plan = self.par.plan
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
                  "config": to_dict(self.cfg),
@@ -282,4 +357,5 @@ class Trainer:
             state["loss_scaler"] = self.scaler.state_dict()
         path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer, state,
                                self.cfg.checkpoint.keep)
+        self.last_saved = path
         self.log.info(f"saved checkpoint {path}")

@@ -11,11 +11,12 @@ destroys a run. A run that failed before its first step left nothing to protect.
 import dataclasses
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, lock
 from .config import ConfigError, to_dict
 
 AUTO = "auto"
@@ -35,12 +36,24 @@ def _has_records(path: Path) -> bool:
 
 def prepare_run(cfg, ctx):
     """(cfg with run.dir resolved, the checkpoint to resume from or None); prints the run dir
-    on rank 0. Every rank gets rank 0's choice; ConfigError on every rank for a bad run.dir."""
+    on rank 0. Every rank gets rank 0's choice; ConfigError on every rank for a bad run.dir.
+    Rank 0 then holds run.dir's lock (trainer/lock.py; release it with lock.release)."""
     auto = cfg.run.dir == AUTO
     if auto:
         path = _on_main(ctx, lambda: str(_auto_dir(cfg)))
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=path))
-    resume_from = plan_start(cfg, ctx.world_size)
+    # before anything reads or moves checkpoints: one live run per directory (rank 0 holds it)
+    _on_main(ctx, lambda: lock.acquire(cfg.run.dir),
+             lambda e: f"cannot create run.dir={cfg.run.dir!r} or its lock: {e}; choose a writable path")
+    # rank 0 alone reads (verifies, moves aside) the checkpoints; the others take its answer
+    try:
+        found = _on_main(ctx, lambda: str(plan_start(cfg, ctx.world_size) or ""),
+                         lambda e: f"cannot read the checkpoints in run.dir={cfg.run.dir!r}: {e}")
+    except ConfigError:
+        if ctx.is_main:
+            lock.release(cfg.run.dir)
+        raise
+    resume_from = Path(found) if found else None
     if ctx.is_main:
         how = "run.dir=auto, " if auto else ""
         how += f"resuming {resume_from.name}" if resume_from else "from step 0"
@@ -85,14 +98,17 @@ def _auto_dir(cfg) -> Path:
             n += 1
 
 
-def _on_main(ctx, decide):
+def _on_main(ctx, decide, on_os_error=None):
     """Run `decide()` on rank 0 and give its result (or its error, as ConfigError) to every rank."""
     box = [None, None]
     if ctx.is_main:
         try:
             box[0] = decide()
+        except ConfigError as e:
+            box[1] = str(e)
         except OSError as e:
-            box[1] = f"cannot create a run directory under {AUTO_ROOT}/: {e}; set run.dir to a writable path"
+            box[1] = (on_os_error or (lambda e: f"cannot create a run directory under {AUTO_ROOT}/: "
+                                               f"{e}; set run.dir to a writable path"))(e)
     if ctx.distributed:
         dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
@@ -111,12 +127,17 @@ def plan_start(cfg, world_size: int):
         return None
     last = checkpoint.latest(run_dir)
     if not cfg.train.resume:
-        what = f"a checkpoint at step {checkpoint.read_trainer_state(last)['step']}" if last else "a run"
+        what = f"a checkpoint ({last.name})" if last else "a run"
         raise ConfigError(f"run.dir={cfg.run.dir!r} already holds {what}; pass train.resume=true to "
                           f"continue it, run.overwrite=true to start over, or another run.dir "
                           f"(run.dir=auto: a new {AUTO_ROOT}/{_name(cfg)}-NNN)")
     if last is None:
         return None  # a run that died before its first checkpoint: start again
+    rejected = []
+    last = checkpoint.newest_good(run_dir, say=lambda line: (rejected.append(line), _warn(line)))
+    if last is None:
+        raise ConfigError(f"no checkpoint in {checkpoint.checkpoint_root(run_dir)} verifies (they "
+                          f"are now in {checkpoint.REJECTED}/); run.overwrite=true starts over")
     saved = checkpoint.read_trainer_state(last)
     diffs = checkpoint.structural_diff(saved.get("config", {}), to_dict(cfg))
     if diffs:
@@ -127,6 +148,10 @@ def plan_start(cfg, world_size: int):
         raise ConfigError(f"the checkpoint {last} is at step {saved['step']}, beyond "
                           f"train.steps={cfg.train.steps}; raise train.steps")
     return last
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def clear_run(run_dir: Path) -> None:

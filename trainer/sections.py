@@ -40,6 +40,7 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches (of train.batch_size sequences) per evaluation")
     resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir; with run.dir=auto, "
                              "in the newest runs/<run.name>-NNN that has one (none: starts from step 0 and says so)")
+    max_skipped_steps: int = _f(5, "stop (exit 3, naming the step) after this many consecutive steps skipped for a non-finite loss or gradient norm (fp16 overflow skips do not count); 0 = never stop")
     loss_scale_init: float = _f(65536.0, "parallel.precision=fp16 only: initial loss scale; halved (and the step skipped) on a gradient overflow, doubled after 1000 clean steps")
 
 

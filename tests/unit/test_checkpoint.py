@@ -116,3 +116,67 @@ def test_run_dir_rules(tmp_path):
         plan_start(short, 1)
     saved = json.loads((checkpoint.latest(cfg.run.dir) / "trainer.json").read_text())
     assert saved["config"]["model"]["d_model"] == 32  # nothing was overwritten by the refusals
+
+
+def _shard(ckpt):
+    return sorted(ckpt.glob("*.distcp"))[0]
+
+
+CORRUPTIONS = {  # what happens to the newest checkpoint -> the file the error must name
+    "truncated shard": (lambda c: _shard(c).write_bytes(_shard(c).read_bytes()[:100]), "__0_0.distcp"),
+    "garbage .metadata": (lambda c: (c / ".metadata").write_bytes(b"garbage"), ".metadata"),
+    "empty trainer.json": (lambda c: (c / "trainer.json").write_text(""), "trainer.json"),
+    "deleted shard": (lambda c: _shard(c).unlink(), "__0_0.distcp is missing"),
+    "same-size garbage in a shard": (
+        lambda c: _shard(c).write_bytes(bytes(_shard(c).stat().st_size)), "__0_0.distcp does not match"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_resume_names_the_bad_file_and_falls_back(tmp_path, capsys, kind):
+    cfg, par, opt = _setup(tmp_path)
+    checkpoint.save(CTX, cfg.run.dir, 1, par, opt, _state(1, cfg), keep=2)
+    good = _params(par.model)
+    _train_steps(par.model, opt, 1)
+    newest = checkpoint.save(CTX, cfg.run.dir, 2, par, opt, _state(2, cfg), keep=2)
+    assert checkpoint.verify(newest) == ""
+    corrupt, named = CORRUPTIONS[kind]
+    corrupt(newest)
+    assert named in checkpoint.verify(newest)
+
+    resumed = load_config(None, TINY + [f"run.dir={cfg.run.dir}", "train.resume=true"])
+    found = plan_start(resumed, 1)
+    assert found.name == "step_00000001"
+    err = capsys.readouterr().err
+    assert f"checkpoint step_00000002 rejected: {newest}" in err and named in err, err
+    assert not newest.exists()  # moved aside, so step 2 is saved afresh when training gets there
+    assert (checkpoint.checkpoint_root(cfg.run.dir) / "rejected" / "step_00000002").is_dir()
+    _, par2, opt2 = _setup(tmp_path)
+    checkpoint.load(CTX, found, par2, opt2)
+    for k, v in par2.model.state_dict().items():
+        assert torch.equal(v, good[k]), k
+    again = checkpoint.save(CTX, cfg.run.dir, 2, par2, opt2, _state(2, cfg), keep=2)
+    assert checkpoint.verify(again) == ""
+
+
+def test_manifest_lists_every_file_and_a_dir_without_complete_is_moved_aside(tmp_path):
+    cfg, par, opt = _setup(tmp_path)
+    root = checkpoint.checkpoint_root(cfg.run.dir)
+    (root / "step_00000003").mkdir(parents=True)  # e.g. a copy that stopped half-way
+    (root / "step_00000003" / "__0_0.distcp").write_bytes(b"partial")
+    path = checkpoint.save(CTX, cfg.run.dir, 3, par, opt, _state(3, cfg), keep=2)  # no OSError
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in path.iterdir()
+                                   if p.name not in ("manifest.json", "COMPLETE"))
+    assert {"trainer.json", "rng_rank0.pt", ".metadata"} <= set(files)
+    assert (root / "rejected" / "step_00000003" / "__0_0.distcp").read_bytes() == b"partial"
+    assert checkpoint.verify(path) == ""
+
+
+def test_all_checkpoints_bad_is_an_error_not_a_silent_restart(tmp_path):
+    cfg, par, opt = _setup(tmp_path)
+    path = checkpoint.save(CTX, cfg.run.dir, 1, par, opt, _state(1, cfg), keep=2)
+    (path / "trainer.json").write_text("")
+    resumed = load_config(None, TINY + [f"run.dir={cfg.run.dir}", "train.resume=true"])
+    with pytest.raises(ConfigError, match="no checkpoint in .* verifies"):
+        plan_start(resumed, 1)
