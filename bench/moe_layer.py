@@ -14,7 +14,7 @@ median of several timed repetitions after warm-up, plus its ratio to the floor:
   hf         transformers' MixtralSparseMoeBlock (swiglu), built from a small config
   fairscale  fairscale MOELayer + Top2Gate (k=2, fp32 only; world-1 process group)
 
-Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, tens of minutes)
+Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, ~15-30 min on 2 cores)
       python bench/moe_layer.py --quick    (smoke run on a toy size, seconds)
 Timings are wall-clock on a shared CPU: read ratios measured in the same run, not absolutes.
 """
