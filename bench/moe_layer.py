@@ -182,21 +182,43 @@ def run_config(T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
     return med
 
 
+def sweep_steps(T, D, F_, E, K):
+    """floor, loop and grouped_mm steps for one E that share one set of expert weights (at
+    E=256, D=512, F=2048 a set is 2 GB, and its gradient as much again)."""
+    layer = MoELayer(D, F_, E, K, None, "gelu")
+    floor = Floor(E, 1, 1, "gelu", torch.float32)
+    floor.w1, floor.w2 = layer.experts.w1, layer.experts.w2
+    x_TD = torch.randn(T, D, requires_grad=True)
+    x_END = torch.randn(E, T * K // E, D, requires_grad=True)
+    gy_TD, gy_END = torch.randn_like(x_TD), torch.randn_like(x_END)
+
+    def with_impl(impl):
+        step = fwd_bwd_step(layer, x_TD, gy_TD)
+
+        def run():
+            layer.experts.experts_impl = impl
+            step()
+        return run
+    return {"floor": fwd_bwd_step(floor, x_END, gy_END), "loop": with_impl("loop"),
+            "grouped_mm": with_impl("grouped_mm")}
+
+
 def run_sweep(T, D, F_, experts, reps, warmup):
-    """Every E of the sweep (floor, loop, grouped_mm) timed in the same rounds, k=2 gelu fp32."""
+    """Per E: floor, loop and grouped_mm timed in the same rounds (k=2 gelu fp32); one E at
+    a time, so ratios to the floor are same-round, times across E are not."""
     names = ("floor", "loop", "grouped_mm")
-    steps = {(n, E): build_step(n, T, D, F_, E, 2, "gelu", torch.float32)
-             for E in experts for n in names}
-    med = interleaved_medians(steps, reps, warmup)
-    e0 = experts[0]
-    print(f"\nE sweep, T={T} k=2 gelu fp32: ms (time relative to E={e0}), ratio to the floor",
+    print(f"\nE sweep, T={T} k=2 gelu fp32: ms (relative to E={experts[0]}), ratio to the floor",
           flush=True)
+    med = {}
     for E in experts:
-        f, lp, g = (med[(n, E)] for n in names)
-        print(f"E={E:4d}  floor {f * 1e3:8.1f} ({f / med[('floor', e0)]:.2f}x)   "
-              f"loop {lp * 1e3:8.1f} ({lp / med[('loop', e0)]:.2f}x) {lp / f:.2f}x floor   "
-              f"grouped_mm {g * 1e3:8.1f} ({g / med[('grouped_mm', e0)]:.2f}x) "
-              f"{g / f:.2f}x floor", flush=True)
+        m = interleaved_medians(sweep_steps(T, D, F_, E, 2), reps, warmup)
+        med.update({(n, E): m[n] for n in names})
+        f, lp, g = (m[n] for n in names)
+        rel = {n: med[(n, E)] / med[(n, experts[0])] for n in names}
+        print(f"E={E:4d}  floor {f * 1e3:8.1f} ({rel['floor']:.2f}x)   "
+              f"loop {lp * 1e3:8.1f} ({rel['loop']:.2f}x) {lp / f:.2f}x floor   "
+              f"grouped_mm {g * 1e3:8.1f} ({rel['grouped_mm']:.2f}x) {g / f:.2f}x floor",
+              flush=True)
     return med
 
 

@@ -19,11 +19,16 @@ EXPERT_IMPLS = ("auto", "loop", "grouped_mm")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # experts_impl="auto": the measured-faster path per (device type, dtype); anything not listed
-# uses "loop". Measured on this project's 2-core CPU (bench/moe_layer.py, fwd+bwd, T=8192
-# D=512 F=2048 k=2, E=16..256; medians, machine load ~4-7 from other jobs; README has the
-# table): fp32 grouped_mm is slower than the loop at E=16 and not faster at E up to 256;
-# bf16 grouped_mm on CPU is many times slower (it has no oneDNN bf16 kernel behind it).
-# CUDA is not measured here (no GPU), so it keeps "loop" until someone measures it.
+# uses "loop". Measured 2026-11-23 on the project's shared 2-core CPU (AMD EPYC, AVX2 only on
+# that day; bench/moe_layer.py fwd+bwd, D=512 F=2048 k=2 gelu, medians, load 2-8 from other
+# jobs), as ratio to the balanced bmm floor:
+#   fp32 T=8192 E=16, 2 threads: loop 1.35x / 1.47x, grouped_mm 1.52x / 1.63x (two runs)
+#   fp32 T=8192 E=16, 1 thread:  loop 0.94x, grouped_mm 1.13x
+#   fp32 T=2048 E=8..256, 1 thread: grouped_mm 0.94-1.44x, loop 0.95-1.44x; grouped_mm
+#        ahead at 5 of 6 E (by 0.1-0.3x at E >= 128, <= 32 rows per expert), not at E=64
+#   bf16: that CPU has no bf16 GEMM kernel (0.4 GFLOP/s); at a toy size the two paths tie
+# CPU torch._grouped_mm is a per-group loop inside aten, so it has little to win at the
+# default size: "loop" on CPU for now. CUDA is not measured (no GPU here): "loop" until it is.
 AUTO_IMPL = {}
 
 
