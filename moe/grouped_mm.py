@@ -20,15 +20,19 @@ GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # experts_impl="auto": the measured-faster path per (device type, dtype); anything not listed
 # uses "loop". Measured 2026-11-23 on the project's shared 2-core CPU (AMD EPYC, AVX2 only on
-# that day; bench/moe_layer.py fwd+bwd, D=512 F=2048 k=2 gelu, medians, load 2-8 from other
-# jobs), as ratio to the balanced bmm floor:
-#   fp32 T=8192 E=16, 2 threads: loop 1.35x / 1.47x, grouped_mm 1.52x / 1.63x (two runs)
-#   fp32 T=8192 E=16, 1 thread:  loop 0.94x, grouped_mm 1.13x
-#   fp32 T=2048 E=8..256, 1 thread: grouped_mm 0.94-1.44x, loop 0.95-1.44x; grouped_mm
-#        ahead at 5 of 6 E (by 0.1-0.3x at E >= 128, <= 32 rows per expert), not at E=64
+# that day; bench/moe_layer.py fwd+bwd, D=512 F=2048 gelu fp32, medians), ratio to the
+# balanced bmm floor:
+#   quiet (load 1.2-1.9), 2 threads, T=8192 E=16: k=2 loop 0.98x / 0.98x, grouped_mm 1.03x /
+#        1.06x (two runs); k=1 loop 1.01x, grouped_mm 1.07x
+#   quiet, 2 threads, T=2048 k=2, E = 8 16 32 64 128 256 (rows per expert 512 .. 16):
+#        loop       1.09 1.13 1.11 1.13 1.29 1.45
+#        grouped_mm 1.11 1.21 1.31 1.23 1.20 1.15
+#   loaded (load 3-8): same order at E=16 (loop 1.35-1.47x, grouped_mm 1.52-1.63x)
 #   bf16: that CPU has no bf16 GEMM kernel (0.4 GFLOP/s); at a toy size the two paths tie
-# CPU torch._grouped_mm is a per-group loop inside aten, so it has little to win at the
-# default size: "loop" on CPU for now. CUDA is not measured (no GPU here): "loop" until it is.
+# So on CPU the loop wins at >= 64 rows per expert and grouped_mm at <= 32 (E >= 128 here):
+# "auto" keeps "loop" on CPU (per device and dtype it cannot see the rows per expert; a
+# size-aware rule is a follow-up); pass experts_impl="grouped_mm" for many small experts.
+# CUDA is not measured (no GPU here): "loop" until it is.
 AUTO_IMPL = {}
 
 
