@@ -30,7 +30,7 @@ def _layers(model):
 
 def _mismatch(moe, target: str) -> list:
     """What keeps this MoELayer from being a `target` block (empty: it fits)."""
-    r, bad = moe.router, []
+    r = moe.router
     checks = [
         (moe.experts.activation == "swiglu", f"activation={moe.experts.activation!r} (needs 'swiglu')"),
         (moe.experts.b1 is None, "expert_bias=True"),

@@ -361,7 +361,7 @@ def _restore_rng(ctx, path) -> dict:
     if info.get("world_size") == ctx.world_size and rng_file.is_file():
         try:
             rng = torch.load(rng_file, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file: name it, not pickle internals
+        except Exception:  # noqa: BLE001 - any unreadable file: name it, not pickle internals
             raise ValueError(f"{rng_file} is unreadable (not an RNG state saved by torch.save); "
                              f"restore it or resume from an older checkpoint") from None
         torch.set_rng_state(rng["cpu"])

@@ -49,7 +49,7 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
 
 def init_distributed(device_kind: str = "auto", timeout_s: int = 300) -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = choose_device(device_kind, local_rank)
     if world == 1 and not dist.is_initialized():
         return DistContext(0, 1, 0, device, "")

@@ -32,7 +32,7 @@ def test_adopted_model_trains_alike_under_dp2_ep2(family, tmp_path, cache):
     ckpt = _checkpoint(family, tmp_path / "hf")
     args = COMMON + [f"data.cache_dir={cache}", f"hf.family={family}", f"hf.pretrained={ckpt}"]
     one = train(args + [f"run.dir={tmp_path / 'one'}"], tmp_path)
-    assert f"routing (hf.model.layers." in one.stdout
+    assert "routing (hf.model.layers." in one.stdout
     train(args + [f"run.dir={tmp_path / 'two'}", "parallel.dp=2", "parallel.ep=2"], tmp_path, nproc=2)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
