@@ -248,13 +248,10 @@ def _check_own(cfg: Config) -> None:
 
 
 def _check_optimizer(cfg: Config, plan) -> None:
-    why = {1: "flat parameter slices (its factored moments need the matrix shapes)",
-           2: "flat parameter slices (its factored moments need the matrix shapes)",
-           3: "FSDP2 shards (torch's Adafactor step has no DTensor support for its row/column "
-              "norms)"}
-    _require(not (cfg.train.optimizer == "adafactor" and plan.zero in why),
-             f"train.optimizer='adafactor' cannot run on ZeRO-{plan.zero}'s {why.get(plan.zero)}; "
-             f"use parallel.zero=0 (with any dp/ep/tp/pp), or train.optimizer='adamw'")
+    _require(not (cfg.train.optimizer == "adafactor" and plan.zero in (1, 2)),
+             f"train.optimizer='adafactor' cannot run on ZeRO-{plan.zero}'s flat parameter slices "
+             f"(its factored moments need the matrix shapes); use parallel.zero=3 (its shards keep "
+             f"the shapes) or 0, or train.optimizer='adamw'")
 
 
 def _check_batching(cfg: Config, plan) -> None:

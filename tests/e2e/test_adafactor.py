@@ -1,6 +1,6 @@
-"""train.optimizer=adafactor end to end: the same losses under dp=2 ep=2 as one process
-(1e-4 relative: reduction order only), a fraction of AdamW's optimizer-state bytes, exact
-resume, and ZeRO-1/3 refused with one line."""
+"""train.optimizer=adafactor end to end: the same losses under dp=2 ep=2 and under ZeRO-3
+(dp=2 ep=2, its state offloaded) as one process (1e-4 relative: reduction order only), a
+fraction of AdamW's optimizer-state bytes, exact resume, and ZeRO-1/2 refused with one line."""
 import pytest
 
 from tests.e2e.test_train import TINY, close, losses, records, train
@@ -15,11 +15,13 @@ def cache(tmp_path_factory):
 
 def test_adafactor_layouts_state_bytes_and_resume(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=4", "train.optimizer=adafactor"]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, z3 = tmp_path / "one", tmp_path / "two", tmp_path / "z3"
     train(common + [f"run.dir={one}", "checkpoint.every=2"], tmp_path)
     train(common + [f"run.dir={two}", "parallel.dp=2", "parallel.ep=2"], tmp_path, nproc=2)
+    train(common + [f"run.dir={z3}", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
+                    "parallel.offload=optimizer"], tmp_path, nproc=2)
     a = losses(one)
-    for other in (two,):
+    for other in (two, z3):
         b = losses(other)
         assert sorted(b) == [1, 2, 3, 4]
         for step in a:
@@ -35,7 +37,7 @@ def test_adafactor_layouts_state_bytes_and_resume(tmp_path, cache):
     train(common + [f"run.dir={resumed}", "train.resume=true"], tmp_path)
     c = losses(resumed)
     assert sorted(c) == [3, 4] and all(close(a[s], c[s], 1e-6) for s in c), (a, c)
-    for zero in (1, 3):
+    for zero in (1, 2):
         refused = train(common + [f"run.dir={tmp_path / f'z{zero}'}", f"parallel.zero={zero}"],
                         tmp_path, check=False)
         assert refused.returncode == 2, refused.stderr
