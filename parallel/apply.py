@@ -10,6 +10,8 @@ pipeline split -> tensor parallel -> expert parallel -> precision -> recomputati
 Three objects describe a layout: ParallelPlan (the degrees, pure arithmetic), Meshes (the
 process groups) and Parallelized (what was applied to this model).
 """
+import os
+
 import torch.nn as nn
 
 from .grad_sync import GradSync, param_kinds, reduction_buckets
@@ -77,8 +79,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if meshes is not None:
         from .ledger import CommLedger, mesh_groups
         tied_group = {"tied": par.tied.group} if par.tied is not None else {}
-        par.ledger = CommLedger(mesh_groups(meshes, tied_group))
+        par.ledger = CommLedger(mesh_groups(meshes, tied_group), ranks_per_node(plan))
     return par
+
+
+def ranks_per_node(plan: ParallelPlan) -> int | None:
+    """Global ranks per node: zeropp_hpz data-parallel ranks times the tp ranks beside each
+    (rank order pp x dp x tp), else torchrun's LOCAL_WORLD_SIZE, else None (one node)."""
+    if plan.zeropp_hpz:
+        return plan.zeropp_hpz * plan.tp
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None
 
 
 def _tied_embedding(model, meshes):
@@ -101,11 +112,17 @@ def _apply_data_parallel(model, par) -> None:
     if plan.zero == 3:
         from .fsdp import apply_fsdp
         roots = par.pipeline.chunks if par.pipeline is not None else None
-        apply_fsdp(model, meshes, _blocks(model), roots)
+        apply_fsdp(model, meshes, _blocks(model), roots, comm_label=par.comm_label)
+        if plan.offload == "optimizer":
+            from .offload import HostMasters
+            par.zero = HostMasters(model)
         return
     buckets = reduction_buckets(model, meshes, param_kinds(model))
     if plan.zero in (1, 2):
         from .zero import ZeroState
-        par.zero = ZeroState(buckets, plan.zero)
+        from .zeropp import labelled_reduce_scatter
+        rs = labelled_reduce_scatter(par.comm_label) if plan.zeropp_quantize_grads else None
+        par.zero = ZeroState(buckets, plan.zero, host=plan.offload == "optimizer",
+                             reduce_scatter_fn=rs)
     hook = par.zero.after_backward if plan.zero == 2 else None
     par.grad_sync = GradSync(buckets, hook)

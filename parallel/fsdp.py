@@ -1,5 +1,11 @@
 """ZeRO-3 through FSDP2 `fully_shard`: experts over edp, routers and shared experts over the
 token pool, blocks and roots over dp (the groups of grad_sync.py), gradients divided by dp.
+
+The ZeRO family rides on FSDP2's own extension points: offload='params' is its
+CPUOffloadPolicy (pinned when CUDA exists), hpZ its reshard_after_forward=<ranks> (after
+forward each module keeps a shard over `zeropp_hpz` consecutive ranks of its group, so the
+backward re-gather stays inside that node), qwZ/qgZ its custom all-gather / reduce-scatter
+(zeropp.py).
 """
 from torch.distributed.tensor import DTensor
 
@@ -8,20 +14,36 @@ from moe import MoELayer
 from .dtensors import local
 
 
-def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None) -> None:
+def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=None) -> None:
     """fully_shard experts over edp, other MoE params over pool, blocks and roots over dp.
 
     roots: the modules whose forward is called (default [model]); with several pipeline
-    stages per rank these are the stage shells, each its own FSDP2 root.
+    stages per rank these are the stage shells, each its own FSDP2 root. comm_label(kind):
+    the ledger's context manager, for the quantized collectives (zeropp.py).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as _fully_shard
+
+    from .offload import pinning
+    from .zeropp import fsdp_comms
     mp_policy = mp_policy or MixedPrecisionPolicy()
     plan = meshes.plan
+    offload = CPUOffloadPolicy(pin_memory=pinning()) if plan.offload == "params" else OffloadPolicy()
+    gather, scatter = fsdp_comms(plan.zeropp_quantize_weights, plan.zeropp_quantize_grads, comm_label)
 
-    def fully_shard(module, mesh, mp_policy):  # all FSDP2 calls pick the shard dim below
-        return _fully_shard(module, mesh=mesh, mp_policy=mp_policy,
-                            shard_placement_fn=_shard_dim_for(mesh.size()))
+    def fully_shard(module, mesh, mp_policy):  # every FSDP2 call: the shard dim, the ZeRO family
+        n = mesh.size()
+        hpz = _hpz_for(module, n, plan.zeropp_hpz)
+        if hpz:  # FSDP2's secondary shard needs dim-0 sharding: other params get their own unit
+            for sub in _other_dim_owners(module, n):
+                fully_shard(sub, mesh, mp_policy)
+        out = _fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload,
+                           reshard_after_forward=hpz, shard_placement_fn=_shard_dim_for(n))
+        if n > 1 and gather is not None:
+            out.set_custom_all_gather(gather)
+        if n > 1 and scatter is not None:
+            out.set_custom_reduce_scatter(scatter)
+        return out
 
     edp, pool, dp = meshes.expert["edp"], meshes.pool["pool"], meshes.dense["dp"]
     for mod in model.modules():
@@ -36,6 +58,44 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None) -> None:
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
     for root in roots or [model]:
         fully_shard(root, mesh=dp, mp_policy=mp_policy)
+
+
+def _hpz_for(module, n: int, hpz: int):
+    """The post-forward shard size for `module` on an n-rank mesh, or None (FSDP2 default):
+    hpZ applies where the mesh spans more than one node of `hpz` ranks and the module's own
+    parameters shard on dim 0 (FSDP2's secondary shard assumes it)."""
+    if not hpz or n <= hpz or n % hpz:
+        return None
+    held = {id(p) for p in _managed(module)}
+    if not all(_dim0(p, n) for p in module.parameters(recurse=False) if id(p) in held):
+        return None  # e.g. fewer local experts than ranks: this unit frees after forward
+    return hpz
+
+
+def _managed(module) -> list:
+    """The parameters fully_shard(module) would own: those no FSDP2 descendant holds yet."""
+    from torch.distributed.fsdp import FSDPModule
+    held = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule)
+            for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in held]
+
+
+def _other_dim_owners(module, n: int) -> list:
+    """Submodules (not module itself, not yet sharded) directly owning a parameter that
+    _shard_dim_for would split on a dim other than 0 (e.g. a [1, D, F] dense FFN)."""
+    from torch.distributed.fsdp import FSDPModule
+    ids = {id(p) for p in _managed(module) if not _dim0(p, n)}
+    out = []
+    for m in module.modules():
+        if m is not module and not isinstance(m, FSDPModule) and \
+                any(id(p) in ids for p in m.parameters(recurse=False)):
+            out.append(m)
+    return out
+
+
+def _dim0(p, n: int) -> bool:
+    shape = local(p).shape if isinstance(p, DTensor) else p.shape
+    return len(shape) == 0 or shape[0] >= n
 
 
 def _divide_by(fsdp_module, mesh, dp: int) -> None:
@@ -54,7 +114,7 @@ def _shard_dim_for(n: int):
 
     def choose(p):
         shape = local(p).shape if isinstance(p, DTensor) else p.shape
-        if len(shape) == 0 or shape[0] >= n:
+        if _dim0(p, n):
             return Shard(0)
         return Shard(max(range(len(shape)), key=lambda d: shape[d]))
     return choose

@@ -55,15 +55,17 @@ def _nbytes(x) -> int:
     return 0
 
 
-def _group_name(args) -> str | None:
+def _group_of(args):
+    """(group name, ProcessGroup or None) of a collective's arguments."""
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(a).group_name
+                pg = dist.ProcessGroup.unbox(a)
+                return pg.group_name, pg
             except RuntimeError:
                 continue  # a ReduceOp, not a group
     strings = [a for a in args if isinstance(a, str)]
-    return strings[-1] if strings else None  # functional collectives pass the group's name
+    return (strings[-1] if strings else None), None  # functional collectives pass the name
 
 
 def classify(collective: str, dims: set) -> str:
@@ -86,37 +88,60 @@ class CommLedger:
     """`with ledger.recording(): ...` then `ledger.take()` -> {kind: bytes} since the last take.
 
     `groups`: {dim name: ProcessGroup} (e.g. every dim of a parallel.mesh.Meshes plus "tied");
-    a group serving several dims (ep == tp, or a dp of 1) counts as all of them.
+    a group serving several dims (ep == tp, or a dp of 1) counts as all of them. A group not
+    listed that lies inside a data group (FSDP2's hpZ post-forward shard groups) counts as a
+    data group. `ranks_per_node`: global ranks [k*n, (k+1)*n) form node k; the bytes of
+    collectives whose group spans several nodes are also counted by kind in `take_inter_node()`
+    (None: one node, nothing is inter-node).
     """
 
-    def __init__(self, groups: dict):
-        self.dims_of = {}
+    def __init__(self, groups: dict, ranks_per_node: int | None = None):
+        self.dims_of, self.ranks_of = {}, {}
         for dim, group in groups.items():
             if group is not None:
                 self.dims_of.setdefault(group.group_name, set()).add(dim)
-        self.bytes = Counter()
+                self.ranks_of[group.group_name] = frozenset(dist.get_process_group_ranks(group))
+        self.ranks_per_node = ranks_per_node
+        self.bytes, self.inter = Counter(), Counter()
         self.label = None
+
+    def _dims(self, name, pg) -> set:
+        if name not in self.dims_of and pg is not None:  # a subgroup made outside the meshes
+            ranks = frozenset(dist.get_process_group_ranks(pg))
+            self.ranks_of[name] = ranks
+            self.dims_of[name] = {d for n, r in self.ranks_of.items() if ranks <= r
+                                  for d in self.dims_of.get(n, ()) if d in DATA_DIMS}
+        return self.dims_of.get(name, set())
+
+    def _spans_nodes(self, name) -> bool:
+        ranks = self.ranks_of.get(name)
+        return bool(self.ranks_per_node and ranks) and \
+            len({r // self.ranks_per_node for r in ranks}) > 1
 
     def record(self, op_name: str, args, functional: bool = False) -> None:
         collective, arg = _OPS.get(op_name, (None, 0))
         if collective is None:
             return
         size = 0 if collective == "recv" else _nbytes(args[arg])
-        dims = self.dims_of.get(_group_name(args), set())
+        name, pg = _group_of(args)
+        dims = self._dims(name, pg)
         if functional and "tp" in dims:  # DTensor redistribution: tensor parallelism's
             dims = {"tp"}                 # (a tp group may also be the pool/edp group)
-        self.bytes[self.label or classify(collective, dims)] += size
+        kind = self.label or classify(collective, dims)
+        self.bytes[kind] += size
+        if self._spans_nodes(name):
+            self.inter[kind] += size
 
     @contextlib.contextmanager
     def labelled(self, kind: str):
         """Book the collectives inside under `kind` (e.g. "other" for a scalar norm reduction
         that runs on a group which is also the dp group)."""
         assert kind in KINDS, kind
-        self.label = kind
+        outer, self.label = self.label, kind
         try:
             yield
         finally:
-            self.label = None
+            self.label = outer
 
     @contextlib.contextmanager
     def recording(self):
@@ -126,6 +151,16 @@ class CommLedger:
     def take(self) -> dict:
         out = {k: int(self.bytes[k]) for k in KINDS if self.bytes[k]}
         self.bytes.clear()
+        return out
+
+    @property
+    def multi_node(self) -> bool:
+        return self.ranks_per_node is not None and self.ranks_per_node < dist.get_world_size()
+
+    def take_inter_node(self) -> dict:
+        """{kind: bytes} of the collectives since the last call whose group spans nodes."""
+        out = {k: int(self.inter[k]) for k in KINDS if self.inter[k]}
+        self.inter.clear()
         return out
 
 

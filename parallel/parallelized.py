@@ -34,7 +34,8 @@ class Parallelized:
     meshes: object = None        # mesh.Meshes, or None for one process
     kinds: dict = None           # id(param) -> dense | pool | expert
     grad_sync: GradSync = None   # zero 0/1/2 gradient reduction (None: one process or zero 3)
-    zero: object = None          # zero.ZeroState for zero 1/2
+    zero: object = None          # zero.ZeroState (zero 1/2) or offload.HostMasters (zero 3 +
+                                 # offload=optimizer): what the optimizer steps instead
     pipeline: object = None      # pipeline.PipelineRunner when pp > 1
     tied: object = None          # pipeline.TiedEmbedding when a weight spans two stages
     ledger: object = None        # ledger.CommLedger (bytes per collective kind), with meshes
@@ -54,11 +55,16 @@ class Parallelized:
     # ------------------------------------------------------------ gradients
     def prepare_optimizer(self, optimizer):
         """The optimizer to train with: for zero 1/2 a same-class optimizer over this rank's
-        slices (it all-gathers the updated slices after each step); else `optimizer`."""
-        if self.zero is None:
-            return optimizer
-        from .zero import shard_optimizer
-        return shard_optimizer(optimizer, self.zero)
+        slices (it all-gathers the updated slices after each step), for zero 3 with
+        offload=optimizer one over host copies of the shards; with offload=params the same
+        optimizer with its fused CPU step; else `optimizer`."""
+        if self.zero is not None:
+            from .zero import shard_optimizer
+            return shard_optimizer(optimizer, self.zero)
+        if self.plan.offload == "params" and self.meshes is not None:
+            from .offload import same_optimizer
+            return same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
+        return optimizer
 
     def set_grad_sync(self, enabled: bool) -> None:
         """False during gradient-accumulation microsteps (no communication), True for the last."""

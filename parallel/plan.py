@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
+OFFLOADS = ("none", "optimizer", "params")
 
 
 @dataclass
@@ -32,6 +33,10 @@ class ParallelPlan:
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
+    offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
+    zeropp_quantize_weights: bool = field(default=False, metadata={"help": "ZeRO++ qwZ: zero-3 parameter all-gathers in block-quantized int8 (zero 3)"})
+    zeropp_hpz: int = field(default=0, metadata={"help": "ZeRO++ hpZ: ranks per node; after forward keep a secondary parameter shard over that many consecutive dp ranks so backward gathers stay in the node (zero 3; 0 = off)"})
+    zeropp_quantize_grads: bool = field(default=False, metadata={"help": "ZeRO++ qgZ: gradient reduce-scatter as an all-to-all of block-quantized int8 (zero 2, 3)"})
 
     # ---- derived sizes (valid after validate()) ----
     @property
@@ -68,6 +73,7 @@ class ParallelPlan:
         plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size),
                                    microbatches=self.microbatches or (self.pp if self.pp > 1 else 1))
         _check_ep(plan)
+        _check_zero_family(plan)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
         if batch_size is not None:
@@ -161,6 +167,42 @@ def _check_ep(p: ParallelPlan) -> None:
     if (p.dp * p.tp) % p.ep:
         raise _err(f"parallel.ep={p.ep} must divide dp*tp = {p.dp}*{p.tp} = {p.dp * p.tp} (experts "
                    f"are spread over the ranks of one pipeline stage); lower ep or raise dp")
+
+
+def _check_zero_family(p: ParallelPlan) -> None:
+    """offload and the ZeRO++ flags: each names the stage it needs."""
+    if p.offload not in OFFLOADS:
+        raise _err(f"parallel.offload={p.offload!r} is not supported; use one of {', '.join(OFFLOADS)}")
+    if p.offload == "optimizer" and p.zero == 0:
+        raise _err("parallel.offload='optimizer' needs a ZeRO optimizer to offload; set "
+                   "parallel.zero=1, 2 or 3 (or offload='none')")
+    if p.offload == "params" and p.zero != 3:
+        raise _err(f"parallel.offload='params' offloads sharded parameters, which exist under ZeRO-3 "
+                   f"only (got zero={p.zero}); set parallel.zero=3, or offload='optimizer'")
+    for name in ("zeropp_quantize_weights", "zeropp_quantize_grads"):
+        if not isinstance(getattr(p, name), bool):
+            raise _err(f"parallel.{name}={getattr(p, name)!r} must be true or false")
+    if p.zeropp_quantize_weights and p.zero != 3:
+        raise _err(f"parallel.zeropp_quantize_weights=true quantizes ZeRO-3 parameter gathers "
+                   f"(got zero={p.zero}); set parallel.zero=3 or zeropp_quantize_weights=false")
+    if p.zeropp_quantize_grads and p.zero not in (2, 3):
+        raise _err(f"parallel.zeropp_quantize_grads=true quantizes the gradient reduce-scatter of "
+                   f"ZeRO-2/3 (got zero={p.zero}); set parallel.zero=2 or 3")
+    _check_hpz(p)
+
+
+def _check_hpz(p: ParallelPlan) -> None:
+    h = p.zeropp_hpz
+    if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+        raise _err(f"parallel.zeropp_hpz={h!r} must be 0 (off) or the number of ranks per node")
+    if h == 0:
+        return
+    if p.zero != 3:
+        raise _err(f"parallel.zeropp_hpz={h} keeps a secondary ZeRO-3 parameter shard (got "
+                   f"zero={p.zero}); set parallel.zero=3 or zeropp_hpz=0")
+    if h >= p.dp or p.dp % h:
+        raise _err(f"parallel.zeropp_hpz={h} must divide parallel.dp={p.dp} and be smaller than it "
+                   f"(a node of {h} ranks inside the dp group); use a divisor of {p.dp} below it, or 0")
 
 
 def _has_moe(moe_cfg) -> bool:

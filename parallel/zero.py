@@ -6,24 +6,29 @@ optimizer steps this rank's fp32 slices (the "master" copies) and the updated sl
 all-gathered back into the model's parameters.
 zero=1: gradients are all-reduced in full (GradSync); each rank keeps its slice of them.
 zero=2: gradients are reduce-scattered straight into the slices and the full ones freed.
+offload=optimizer: the slices (and so the optimizer state and step) live on the host
+(offload.py); reduced gradient slices are copied there and updated slices copied back for the
+all-gather. zeropp_quantize_grads: the zero=2 reduce-scatter runs block-quantized (zeropp.py).
 """
-import inspect
-
 import torch
 import torch.distributed as dist
 
 from .dtensors import local
 from .grad_sync import settled_grad
+from .offload import same_optimizer, step_at_zero_lr, to_host, wait_for_copies
 
 
 class _Slices:
     """This rank's flat 1/P slice of every parameter of one reduction bucket."""
 
-    def __init__(self, group, divisor, params):
+    def __init__(self, group, divisor, params, host: bool, reduce_scatter_fn):
         self.group, self.divisor, self.params = group, divisor, params
+        self.reduce_scatter_fn = reduce_scatter_fn  # dist.reduce_scatter_tensor's signature
         self.P, self.r = dist.get_world_size(group), dist.get_rank(group)
         self.L = [-(-local(p).numel() // self.P) for p in params]
-        self.shards = [torch.nn.Parameter(self._full_rows(local(p).detach(), L)[self.r].clone())
+        self.device = local(params[0]).device  # where the collectives run
+        own = to_host if host else torch.clone
+        self.shards = [torch.nn.Parameter(own(self._full_rows(local(p).detach(), L)[self.r]))
                        for p, L in zip(params, self.L)]
 
     def _full_rows(self, t, L):  # flat, zero-padded to P*L, viewed [P, L]
@@ -38,10 +43,10 @@ class _Slices:
         rows = torch.cat([self._full_rows(settled_grad(p), L) for p, L in zip(self.params, self.L)], 1)
         out = rows[self.r].clone()
         if self.P > 1:
-            dist.reduce_scatter_tensor(out, rows.reshape(-1).contiguous(), group=self.group)
+            self.reduce_scatter_fn(out, rows.reshape(-1).contiguous(), group=self.group)
         out.div_(self.divisor)
         for s, g in zip(self.shards, out.split(self.L)):
-            s.grad = g.clone() if s.grad is None else s.grad.add_(g)
+            s.grad = g.to(s.device, copy=True) if s.grad is None else s.grad.add_(g.to(s.device))
         if free_full:
             for p in self.params:
                 p.grad = None
@@ -50,7 +55,7 @@ class _Slices:
         """zero=1: grads were all-reduced in full; keep this rank's slice of them."""
         for p, s, L in zip(self.params, self.shards, self.L):
             g = self._full_rows(settled_grad(p), L)[self.r]
-            s.grad = g.clone() if s.grad is None else s.grad.add_(g)
+            s.grad = g.to(s.device, copy=True) if s.grad is None else s.grad.add_(g.to(s.device))
             p.grad = None
 
     def slice_of(self, t, L):
@@ -61,7 +66,7 @@ class _Slices:
         """Collective over the group: the full local-parameter-shaped tensors of `slices`, one
         [L] slice for each parameter index in `which` (default: every parameter, in order)."""
         which = range(len(self.params)) if which is None else which
-        mine = torch.cat([s.detach() for s in slices])
+        mine = torch.cat([s.detach() for s in slices]).to(self.device)
         rows = mine.new_empty(self.P * mine.numel())
         if self.P > 1:
             dist.all_gather_into_tensor(rows, mine, group=self.group)
@@ -83,17 +88,33 @@ class _Slices:
 
 
 class ZeroState:
-    """Per-model ZeRO-1/2 bookkeeping: the slices of each bucket and the stage."""
+    """Per-model ZeRO-1/2 bookkeeping: the slices of each bucket and the stage.
 
-    def __init__(self, buckets, stage: int):
-        self.stage = stage
-        self.slices = [_Slices(group, divisor, params) for _, group, divisor, params in buckets]
+    Protocol shared with offload.HostMasters (what shard_optimizer, grads.py and checkpoints
+    use): shard_of, before_step, after_step, refresh_from_params, model_param_of,
+    full_optimizer_state, load_full_optimizer_state, init_optimizer_state."""
+
+    def __init__(self, buckets, stage: int, host: bool = False, reduce_scatter_fn=None):
+        self.stage, self.host = stage, host
+        rs = reduce_scatter_fn or dist.reduce_scatter_tensor
+        self.slices = [_Slices(group, divisor, params, host, rs) for _, group, divisor, params in buckets]
         self.kinds = [kind for kind, _, _, _ in buckets]
         self.shard_of = {id(p): s for sl in self.slices for p, s in zip(sl.params, sl.shards)}
 
     def after_backward(self) -> None:  # zero=2 only
         for sl in self.slices:
             sl.reduce_scatter(free_full=True)
+
+    def before_step(self) -> None:
+        if self.stage == 1:
+            for sl in self.slices:
+                sl.take_synced()
+        if self.host:
+            wait_for_copies()
+
+    def after_step(self) -> None:
+        for sl in self.slices:
+            sl.all_gather()
 
     def refresh_from_params(self) -> None:
         """Re-copy the parameters into the master slices (after loading weights into the model:
@@ -141,50 +162,38 @@ class ZeroState:
                 st = {}
                 for key, v in full[id(p)].items():
                     if isinstance(v, torch.Tensor) and v.shape == local(p).shape and v.dim() > 0:
-                        st[key] = sl.slice_of(v.to(s.device), L).clone()
+                        st[key] = sl.slice_of(v, L).to(s.device, copy=True)
                     else:
                         st[key] = v.clone() if isinstance(v, torch.Tensor) else v
                 optimizer.state[s] = st
 
     def init_optimizer_state(self, optimizer) -> None:
-        """Collective: give the slice optimizer its state tensors (so a checkpoint can be loaded
-        into them) by one step with zero gradients at lr=0, which leaves the slices unchanged."""
+        """Collective (the step's all-gather): give the slice optimizer its state tensors (so a
+        checkpoint can be loaded into them), the slices unchanged."""
         if optimizer.state:
             return
         for sl in self.slices:
             for s in sl.shards:
                 s.grad = torch.zeros_like(s)
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g["lr"] = 0.0
-        optimizer.step()
-        for g, lr in zip(optimizer.param_groups, lrs):
-            g["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
+            if self.stage == 1:  # before_step adds the model's grads into the slices
+                for p in sl.params:
+                    p.grad = None
+        step_at_zero_lr(optimizer)
 
 
-def shard_optimizer(optimizer, zero_state: ZeroState):
-    """A new optimizer of the same class and hyperparameters over this rank's slices.
+def shard_optimizer(optimizer, zero_state):
+    """A new optimizer of the same class and hyperparameters over the tensors `zero_state`
+    (ZeroState, or offload.HostMasters) steps instead of the model's parameters; host-resident
+    ones use the class's fused CPU step. zero_state.before_step / after_step run around
+    every step (slice the gradients / move them to the host; all-gather or copy back).
 
-    Parameters the optimizer does not hold keep no slice state. Steps update the slices and
-    all-gather them into the model's parameters.
+    Parameters the optimizer does not hold keep no slice state.
     """
     groups = []
     for g in optimizer.param_groups:
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": [zero_state.shard_of[id(p)] for p in g["params"]]})
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    sharded = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-
-    def pre(_opt, _args, _kwargs):
-        if zero_state.stage == 1:
-            for sl in zero_state.slices:
-                sl.take_synced()
-
-    def post(_opt, _args, _kwargs):
-        for sl in zero_state.slices:
-            sl.all_gather()
-
-    sharded.register_step_pre_hook(pre)
-    sharded.register_step_post_hook(post)
+    sharded = same_optimizer(type(optimizer), groups, optimizer.defaults, fused=zero_state.host)
+    sharded.register_step_pre_hook(lambda *_: zero_state.before_step())
+    sharded.register_step_post_hook(lambda *_: zero_state.after_step())
     return sharded

@@ -227,6 +227,8 @@ class Trainer:
             rec["skip_reason"] = "non-finite loss or gradient norm"
         if self.cfg.log.comm_bytes:
             rec["comm_bytes"] = self.par.ledger.take() if self.par.ledger is not None else {}
+            if self.par.ledger is not None and self.par.ledger.multi_node:
+                rec["comm_bytes_inter_node"] = self.par.ledger.take_inter_node()
         if self.scaler is not None:
             self.scaler.update(overflow)
             rec["loss_scale"] = scale
@@ -286,7 +288,8 @@ class Trainer:
     def _forward_backward(self, scale: float):
         """(mean task loss, mean aux loss, {layer: [RoutingStats]}) of this rank's share."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # ZeRO: the slices' / host masters' grads
+        self.model.zero_grad(set_to_none=True)      # and the model's (left by a skipped step)
         idx = self.sampler.next_indices()
         batch = self.task.prepare(self.train_file.batch(idx), idx)
         reset_balance_windows(self.model)  # global_batch balance: one window per optimizer step

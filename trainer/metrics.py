@@ -66,7 +66,8 @@ class MetricsLogger:
 
     def log_step(self, record: dict) -> None:
         """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s,
-        comm_bytes {kind: bytes} (+ val_loss; model_state_bytes on the first step; under fp16
+        comm_bytes {kind: bytes} (+ val_loss; comm_bytes_inter_node when the ledger knows of
+        several nodes; model_state_bytes on the first step; under fp16
         loss_scale and skipped)."""
         if not self.enabled:
             return
@@ -80,6 +81,8 @@ class MetricsLogger:
                     self.tb.add_scalar(tag, v, step)
             for kind, n in record.get("comm_bytes", {}).items():
                 self.tb.add_scalar(f"comm_bytes/{kind}", n, step)
+            for kind, n in record.get("comm_bytes_inter_node", {}).items():
+                self.tb.add_scalar(f"comm_bytes_inter_node/{kind}", n, step)
             for category, by_device in record.get("model_state_bytes", {}).items():
                 for device, n in by_device.items():
                     self.tb.add_scalar(f"model_state_bytes/{category}/{device}", n, step)

@@ -9,6 +9,7 @@ summed aux losses) and grad norm must match the one-process run.
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import build_model, init_weights
@@ -58,3 +59,38 @@ def reference_run(model_cfg, moe_cfg, steps=STEPS):
 
 def clone(model):
     return copy.deepcopy(model)
+
+
+def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS):
+    """[(loss, grad_norm)] of this rank training one layout (spec: ParallelPlan fields) for
+    `steps` steps, each rank on its dp share of the global batch. inspect(par, optimizer,
+    step, comm_bytes) is called after each step, with the bytes the ledger counted in it."""
+    from parallel.apply import parallelize
+    from parallel.mesh import build_meshes
+    from parallel.plan import ParallelPlan
+    plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, B)
+    meshes = build_meshes(plan)
+    par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
+    model = par.model
+    opt = par.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    dp_rank, n = meshes.rank("dp"), B // plan.dp
+    out = []
+    for step in range(steps):
+        x, y = batch(step, model_cfg.vocab_size)
+        x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+        with par.recording_comm():
+            if plan.pp > 1:
+                loss = par.pipeline_step(x, y)
+            else:
+                loss = task_loss(model(x), y) + collect_aux_loss(model)
+                loss.backward()
+            norm = par.clip_grad_norm_(CLIP)
+            opt.step()
+        comm = par.ledger.take()
+        if inspect is not None:
+            inspect(par, opt, step, comm)
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=meshes.group("dp"))
+        out.append((loss.item() / plan.dp, norm.item()))
+    return out

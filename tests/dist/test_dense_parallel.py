@@ -9,50 +9,19 @@ dropped aux loss changes losses at the 1e-3 level or more). Several layouts shar
 because process start-up dominates the cost.
 """
 import pytest
-import torch
-import torch.distributed as dist
 
-from parallel.apply import parallelize
-from parallel.mesh import build_meshes
-from parallel.plan import ParallelPlan
 from tests.dist import dense_common as dc
 from tests.dist.harness import run_distributed
-from moe.aux import collect_aux_loss
 
 pytestmark = pytest.mark.dist
 ATOL, RTOL = 2e-5, 1e-4
-
-
-def _train(world, spec, model_cfg, moe_cfg):
-    plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, dc.B)
-    meshes = build_meshes(plan)
-    par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=dc.task_loss)
-    model = par.model
-    opt = par.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=dc.LR, weight_decay=0.1))
-    dp_rank, n = meshes.rank("dp"), dc.B // plan.dp
-    out = []
-    for step in range(dc.STEPS):
-        x, y = dc.batch(step, model_cfg.vocab_size)
-        x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
-        if plan.pp > 1:
-            loss = par.pipeline_step(x, y)
-        else:
-            loss = dc.task_loss(model(x), y) + collect_aux_loss(model)
-            loss.backward()
-        norm = par.clip_grad_norm_(dc.CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach().clone()
-        dist.all_reduce(loss, group=meshes.group("dp"))
-        out.append((loss.item() / plan.dp, norm.item()))
-    return out
 
 
 def _worker(rank, world, layouts):
     out = {}
     for name, spec, cfg in layouts:
         model_cfg, moe_cfg = dc.configs(**cfg)
-        out[name] = _train(world, spec, model_cfg, moe_cfg)
+        out[name] = dc.train_layout(world, spec, model_cfg, moe_cfg)
     return out
 
 

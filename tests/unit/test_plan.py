@@ -144,3 +144,27 @@ def test_tp_pp_not_dividing_world_suggests_degrees_that_do():
     fix = _suggested(str(err.value))
     assert fix == {"tp": 2, "pp": 1}
     assert ParallelPlan(**fix).validate(6).dp == 3
+
+
+@pytest.mark.parametrize("kwargs, world, pattern", [
+    (dict(offload="disk", zero=1), 2, r"parallel\.offload='disk' is not supported; use one of none, optimizer, params"),
+    (dict(offload="optimizer"), 2, r"parallel\.offload='optimizer' needs .* set parallel\.zero=1, 2 or 3"),
+    (dict(offload="params", zero=2), 2, r"parallel\.offload='params' .* set parallel\.zero=3"),
+    (dict(zeropp_quantize_weights=True, zero=2), 2, r"parallel\.zeropp_quantize_weights=true .* set parallel\.zero=3"),
+    (dict(zeropp_quantize_weights=1, zero=3), 2, r"parallel\.zeropp_quantize_weights=1 must be true or false"),
+    (dict(zeropp_quantize_grads=True, zero=1), 2, r"parallel\.zeropp_quantize_grads=true .* set parallel\.zero=2 or 3"),
+    (dict(zeropp_hpz=2, zero=2), 4, r"parallel\.zeropp_hpz=2 .* set parallel\.zero=3"),
+    (dict(zeropp_hpz=3, zero=3), 4, r"parallel\.zeropp_hpz=3 must divide parallel\.dp=4 and be smaller"),
+    (dict(zeropp_hpz=4, zero=3), 4, r"parallel\.zeropp_hpz=4 must divide parallel\.dp=4 and be smaller"),
+    (dict(zeropp_hpz=-1, zero=3), 4, r"parallel\.zeropp_hpz=-1 must be 0"),
+])
+def test_zero_family_flags_name_the_stage_they_need(kwargs, world, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world)
+
+
+def test_zero_family_combinations_that_work_validate():
+    for kwargs in (dict(zero=1, offload="optimizer"), dict(zero=2, offload="optimizer", zeropp_quantize_grads=True),
+                   dict(zero=3, offload="params", zeropp_quantize_weights=True, zeropp_quantize_grads=True),
+                   dict(zero=3, offload="optimizer", zeropp_hpz=2), dict(zero=3, offload="params", zeropp_hpz=2)):
+        assert ParallelPlan(**kwargs).validate(4).offload == kwargs.get("offload", "none")

@@ -1,0 +1,140 @@
+"""ZeRO-Offload (Ren et al. 2021): the optimizer's fp32 master copies, its state and its step
+live on the host; the training device keeps the parameters the forward uses.
+
+  zero 1/2, offload=optimizer  ZeroState's flat master slices are created on the host
+                               (zero.py); reduced gradient slices are copied there, the step
+                               runs there, the updated slices go back for the all-gather.
+  zero 3,   offload=optimizer  HostMasters (below): a host copy of each FSDP2 local shard is
+                               what the optimizer steps; the device shard is refreshed after.
+  zero 3,   offload=params     FSDP2's CPUOffloadPolicy: the sharded parameters and gradients
+                               themselves live on the host and are copied in for each gather.
+
+The host buffers are always separate tensors from the training-device ones, so on a machine
+whose training device is the CPU (this one) the same code path runs: placement is asserted on
+the host buffers, and on CUDA they are pinned and the copies non-blocking. The step of an
+optimizer class that has a fused CPU kernel (Adam, AdamW) uses it (`same_optimizer`).
+"""
+import inspect
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .dtensors import local
+
+
+def host_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def pinning() -> bool:
+    return torch.cuda.is_available()
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A new host tensor with t's values (pinned, copied without blocking, when CUDA exists)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=host_device(), pin_memory=pinning())
+    out.copy_(t.detach(), non_blocking=pinning())
+    return out
+
+
+def wait_for_copies() -> None:
+    """The host may read what non-blocking device->host copies wrote only after this."""
+    if pinning():
+        torch.cuda.current_stream().synchronize()
+
+
+def same_optimizer(optimizer_cls, groups: list, defaults: dict, fused: bool):
+    """optimizer_cls over `groups` with the hyperparameters in `defaults`; fused=True asks for
+    the class's fused kernel (the CPU step of an offloaded optimizer) when it has one (fused
+    and foreach are exclusive, so foreach is dropped)."""
+    accepted = inspect.signature(optimizer_cls.__init__).parameters
+    kw = {k: v for k, v in defaults.items() if k in accepted}
+    if fused and "fused" in accepted:
+        kw["fused"] = True
+        if "foreach" in accepted:
+            kw["foreach"] = None
+    return optimizer_cls(groups, **kw)
+
+
+def _like(master_local: torch.Tensor, p):
+    if not isinstance(p, DTensor):
+        return master_local
+    return DTensor.from_local(master_local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+class HostMasters:
+    """ZeRO-3 with offload=optimizer: a host fp32 copy (`shard_of[id(p)]`) of each FSDP2
+    parameter's local shard is what the optimizer steps. Same protocol as zero.ZeroState, so
+    the optimizer wrapper, the gradient norm and checkpoints treat both alike:
+
+      before_step  move each reduced gradient shard to its host master (frees the device one)
+      after_step   copy the updated masters into the device shards
+    """
+    stage, host = 3, True
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shard_of = {id(p): torch.nn.Parameter(_like(to_host(local(p)), p)) for p in self.params}
+
+    def before_step(self) -> None:
+        for p in self.params:
+            m = self.shard_of[id(p)]
+            m.grad = None if p.grad is None else _like(to_host(local(p.grad)), p)
+            p.grad = None
+        wait_for_copies()
+
+    def after_step(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                local(p).copy_(local(self.shard_of[id(p)]), non_blocking=pinning())
+
+    def refresh_from_params(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                local(self.shard_of[id(p)]).copy_(local(p))
+
+    def model_param_of(self) -> dict:
+        return {id(m): p for p in self.params for m in [self.shard_of[id(p)]]}
+
+    def full_optimizer_state(self, optimizer) -> dict:
+        """{id(model param): {key: value}}: the local (shard-shaped) state tensors themselves,
+        no communication (checkpoint.py wraps them as DTensors like their parameter)."""
+        out = {}
+        for p in self.params:
+            st = optimizer.state.get(self.shard_of[id(p)])
+            if st:
+                out[id(p)] = {k: local(v) if isinstance(v, torch.Tensor) and v.dim() else v
+                              for k, v in st.items()}
+        return out
+
+    def load_full_optimizer_state(self, optimizer, full: dict) -> None:
+        for p in self.params:
+            st = optimizer.state.get(self.shard_of[id(p)])
+            if st is None or id(p) not in full:
+                continue
+            for k, v in full[id(p)].items():
+                if isinstance(st.get(k), torch.Tensor):
+                    local(st[k]).copy_(local(v) if isinstance(v, torch.Tensor) else torch.tensor(v))
+                else:
+                    st[k] = v
+
+    def init_optimizer_state(self, optimizer) -> None:
+        """Collective (the step hooks): give the optimizer its state tensors, masters unchanged."""
+        if optimizer.state:
+            return
+        for p in self.params:
+            p.grad = torch.zeros_like(p)  # before_step moves them to the masters
+        step_at_zero_lr(optimizer)
+
+
+def step_at_zero_lr(optimizer) -> None:
+    """One optimizer step at lr=0 (hooks included), then gradients cleared: creates the state
+    tensors a checkpoint is loaded into, leaving every parameter unchanged."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
