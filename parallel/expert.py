@@ -61,31 +61,59 @@ def expert_checkpoint_transforms(model, meshes):
     plain local tensor under the full tensor's name. Wrapped as DTensors over the (edp, ep)
     mesh (Shard(0) over ep, replicated over edp), DCP records the full [E, ...] tensors and
     reshards them for any other layout; untransform unwraps them again.
+
+    Under ZeRO-3 those local experts are themselves FSDP2 DTensors sharded over edp (dim d of
+    [L, ...]); they are wrapped over the stage's (ep, edp) mesh as [Shard(0), Shard(d)]: ep
+    picks the block of L experts first, then edp the FSDP chunk inside it (a mesh built
+    without process groups: DCP needs only each rank's coordinates). untransform gives back
+    DTensors laid out like the parameter, on the same local storage.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
     mesh, ep = meshes.expert["edp", "ep"], meshes.plan.ep
-    names = {f"{lname}.experts.{pname}" for lname, layer in moe_layers(model)
-             for pname, _ in layer.experts.named_parameters()}
+    params = {f"{lname}.experts.{pname}": p for lname, layer in moe_layers(model)
+              for pname, p in layer.experts.named_parameters()}
+    ep_edp = _ep_major_mesh(meshes) if any(isinstance(p, DTensor) for p in params.values()) else None
 
     def wrap(t):
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() == 0:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
         shape = (t.shape[0] * ep, *t.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        if isinstance(t, DTensor):  # ZeRO-3: an FSDP2 shard (over edp) of the local experts
+            (fsdp,) = t.placements
+            return DTensor.from_local(t.to_local(), ep_edp, [Shard(0), fsdp], run_check=False,
+                                      shape=shape, stride=stride)
         return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False,
-                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
+                                  shape=shape, stride=stride)
 
-    def unwrap(t):
-        return t.to_local() if isinstance(t, DTensor) else t
+    def unwrap(name, t):
+        if not isinstance(t, DTensor):
+            return t
+        p = params[name]
+        if not isinstance(p, DTensor):
+            return t.to_local()
+        return DTensor.from_local(t.to_local(), p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
 
     def transform(model_sd, optim_sd):
-        model_sd = {k: wrap(v) if k in names else v for k, v in model_sd.items()}
-        state = {k: ({n: wrap(v) for n, v in st.items()} if k in names else st)
+        model_sd = {k: wrap(v) if k in params else v for k, v in model_sd.items()}
+        state = {k: ({n: wrap(v) for n, v in st.items()} if k in params else st)
                  for k, st in optim_sd["state"].items()}
         return model_sd, {**optim_sd, "state": state}
 
     def untransform(model_sd, optim_sd):
-        model_sd = {k: unwrap(v) for k, v in model_sd.items()}
-        state = {k: {n: unwrap(v) for n, v in st.items()} for k, st in optim_sd["state"].items()}
+        model_sd = {k: unwrap(k, v) if k in params else v for k, v in model_sd.items()}
+        state = {k: ({n: unwrap(k, v) for n, v in st.items()} if k in params else st)
+                 for k, st in optim_sd["state"].items()}
         return model_sd, {**optim_sd, "state": state}
 
     return transform, untransform
+
+
+def _ep_major_mesh(meshes):
+    """This stage's ranks as an (ep, edp) DeviceMesh, without creating process groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+    plan = meshes.plan
+    grid = torch.arange(plan.world).reshape(plan.pp, plan.edp, plan.ep)[meshes.pp_rank]
+    return DeviceMesh(meshes.expert.device_type, grid.T.contiguous(), mesh_dim_names=("ep", "edp"),
+                      _init_backend=False)
