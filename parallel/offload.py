@@ -30,11 +30,14 @@ def pinning() -> bool:
     return torch.cuda.is_available()
 
 
+def host_empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host tensor shaped like t (pinned when CUDA exists)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=host_device(), pin_memory=pinning())
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A new host tensor with t's values (pinned, copied without blocking, when CUDA exists)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=host_device(), pin_memory=pinning())
-    out.copy_(t.detach(), non_blocking=pinning())
-    return out
+    return host_empty_like(t).copy_(t.detach(), non_blocking=pinning())
 
 
 def wait_for_copies() -> None:
@@ -74,8 +77,10 @@ class HostMasters:
     stage, host = 3, True
 
     def __init__(self, model: torch.nn.Module):
+        """Allocates the masters; refresh_from_params fills them (parallelize calls it after
+        the weights are initialised: the model may still be on the meta device here)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.shard_of = {id(p): torch.nn.Parameter(_like(to_host(local(p)), p)) for p in self.params}
+        self.shard_of = {id(p): torch.nn.Parameter(_like(host_empty_like(local(p)), p)) for p in self.params}
 
     def before_step(self) -> None:
         for p in self.params:

@@ -61,7 +61,11 @@ def clone(model):
     return copy.deepcopy(model)
 
 
-def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS):
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, make_optimizer=adamw):
     """[(loss, grad_norm)] of this rank training one layout (spec: ParallelPlan fields) for
     `steps` steps, each rank on its dp share of the global batch. inspect(par, optimizer,
     step, comm_bytes) is called after each step, with the bytes the ledger counted in it."""
@@ -72,7 +76,7 @@ def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS):
     meshes = build_meshes(plan)
     par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
     model = par.model
-    opt = par.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    opt = par.prepare_optimizer(make_optimizer(model.parameters()))
     dp_rank, n = meshes.rank("dp"), B // plan.dp
     out = []
     for step in range(steps):
