@@ -12,6 +12,7 @@ dims that split the reduced dim, divided by the global size:
   col_var[.., 1, c] <- lerp(col_var, mean_r g^2, 1 - beta2_t)
   V = row_var @ col_var / max(mean_r row_var, eps1)               (vectors: a full variance)
   U = g / sqrt(max(V, eps1^2));  alpha = max(eps2, RMS(param)) * min(lr, 1/sqrt(t))
+                                 (relative_step=False: alpha = lr, a set step size)
   param <- param * (1 - lr * weight_decay) - alpha * U / max(1, RMS(U) / d)
 
 State tensors are DTensors when the parameter is: row_var/col_var keep the parameter's
@@ -40,12 +41,13 @@ def _shard_dims(p) -> dict:
 
 class Adafactor(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0,
-                 weight_decay=0.0, *, maximize=False):
+                 weight_decay=0.0, *, maximize=False, relative_step=True):
         if not lr >= 0 or not beta2_decay <= 0 or not d >= 1 or not weight_decay >= 0:
             raise ValueError(f"Adafactor: need lr >= 0, beta2_decay <= 0, d >= 1, weight_decay "
                              f">= 0 (got {lr}, {beta2_decay}, {d}, {weight_decay})")
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
-                                      weight_decay=weight_decay, maximize=maximize))
+                                      weight_decay=weight_decay, maximize=maximize,
+                                      relative_step=relative_step))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -81,8 +83,10 @@ class Adafactor(torch.optim.Optimizer):
         st["step"] += 1
         t = st["step"].item()
         lr = float(group["lr"])
-        rho = min(lr, 1 / math.sqrt(t))
-        alpha = max(eps2, _rms(x, p, shards)) * rho
+        if group["relative_step"]:
+            alpha = max(eps2, _rms(x, p, shards)) * min(lr, 1 / math.sqrt(t))
+        else:
+            alpha = lr
         if group["weight_decay"]:
             x.mul_(1 - lr * group["weight_decay"])
         one_minus_beta2 = t ** group["beta2_decay"]

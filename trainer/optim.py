@@ -38,7 +38,7 @@ OPTIMIZERS = ("adamw", "adafactor")
 def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
     groups = param_groups(model, train_cfg.weight_decay)
     if train_cfg.optimizer == "adafactor":
-        return Adafactor(groups, lr=train_cfg.lr)
+        return Adafactor(groups, lr=train_cfg.lr, relative_step=train_cfg.adafactor_relative_step)
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
                              eps=train_cfg.eps)
 

@@ -45,3 +45,18 @@ def test_factored_state_is_small():
     matrix = params[0]
     st = opt.state[matrix]
     assert st["row_var"].shape == (6, 1) and st["col_var"].shape == (1, 5)
+
+
+def test_set_step_size_moves_each_param_by_lr_times_the_clipped_update():
+    """relative_step=False: alpha = lr. One step from zero state: V = g^2 (vector) so
+    U = sign(g), RMS(U) = 1, and the vector moves by exactly lr per element."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = Adafactor([p], lr=0.05, relative_step=False)
+    p.grad = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([-0.05, 0.05, -0.05, 0.05]))
+    q = torch.nn.Parameter(torch.zeros(4))
+    rel = Adafactor([q], lr=0.05)
+    q.grad = p.grad.clone()
+    rel.step()  # relative: alpha = max(1e-3, RMS(0)) * min(0.05, 1) = 5e-5
+    torch.testing.assert_close(q.detach(), torch.tensor([-5e-5, 5e-5, -5e-5, 5e-5]))
