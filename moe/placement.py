@@ -57,9 +57,10 @@ def plan_placement(counts_E, P: int, R: int) -> Placement:
     Greedy, at most P*R moves: take the most-loaded rank h and the least-loaded rank c that
     still has a free slot; stop when they differ by less than 2 rows. Otherwise h's owned
     expert with the most rows it still serves (not already replicated on c) gets a replica
-    on c, which takes m = min(its rows on h, h's excess over the mean, c's deficit under it)
-    rows (at least 1). Each move brings one of the two ranks to the mean (up to rounding),
-    so P-1 well-placed replicas balance any skew that whole rows can balance.
+    on c, which takes m = min(its rows on h, c's deficit under the mean) rows (at least 1).
+    c never goes above the mean (rounded up), so the maximum never grows. h may drop below
+    the mean: it then fills its own free slot from another hot rank later, which is what
+    balances two hot ranks with one slot per rank (see tests/unit/test_placement.py).
     """
     counts = [int(c) for c in counts_E]
     E = len(counts)
@@ -84,8 +85,8 @@ def plan_placement(counts_E, P: int, R: int) -> Placement:
         if not cands:
             break
         e = max(cands, key=lambda e: (pieces[e][0][1], -e))
-        excess, deficit = (P * load[h] - total) // P, (total - P * load[c]) // P
-        m = max(1, min(pieces[e][0][1], excess, deficit))
+        deficit = (total - P * load[c]) // P
+        m = max(1, min(pieces[e][0][1], deficit))
         pieces[e][0][1] -= m
         pieces[e].append([c, m])
         replicas[c].append(e)

@@ -36,6 +36,16 @@ def test_world4_hot_expert_spread_to_the_mean():
     assert pl.rank_rows == (16, 16, 16, 16)
 
 
+def test_two_hot_ranks_one_slot_each():
+    # loads [85, 0, 43, 0], mean 32: rank 0 gives 32 rows each to ranks 1 and 3, dropping to
+    # 21, then takes 11 of rank 2's expert 4 in its own slot: all ranks at the mean
+    pl = plan_placement([43, 42, 0, 0, 43, 0, 0, 0], P=4, R=1)
+    assert pl.pieces[0] == ((0, 11), (1, 32)) and pl.pieces[1] == ((0, 10), (3, 32))
+    assert pl.pieces[4] == ((2, 32), (0, 11))
+    assert pl.replicas == ((4,), (0,), (), (1,))
+    assert pl.rank_rows == (32, 32, 32, 32)
+
+
 def test_ties_go_to_lowest_expert_and_rank():
     pl = plan_placement([5, 5, 0, 0], P=2, R=1)     # experts 0 and 1 equally hot
     assert pl.pieces[0] == ((0, 0), (1, 5)) and pl.pieces[1] == ((0, 5),)
