@@ -233,11 +233,12 @@ class ExpertBank(nn.Module):
         """(w1, w2, w3, b1, b2, b3), None where absent: what forward's `params` replaces."""
         return (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
 
-    def forward(self, x_ND: torch.Tensor, counts, params=None) -> torch.Tensor:
-        """params: weights to run instead of this bank's own, shaped like `weights()` but
-        with any number of expert rows (the expert-parallel dispatcher appends replicas of
-        other ranks' experts); counts has one entry per row."""
-        params = self.weights() if params is None else tuple(params)
+    def forward(self, x_ND: torch.Tensor, counts, extend=None) -> torch.Tensor:
+        """extend(weights) -> weights to run: called here, inside this module's forward (where
+        FSDP2 has unsharded the parameters), with `weights()`; it may append expert rows
+        (the expert-parallel dispatcher appends replicas of other ranks' experts). counts
+        has one entry per row of the weights run."""
+        params = self.weights() if extend is None else tuple(extend(self.weights()))
         if len(counts) != params[0].shape[0]:
             raise ValueError(f"counts has {len(counts)} entries for {params[0].shape[0]} local experts")
         impl = self.impl_for(x_ND)

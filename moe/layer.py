@@ -245,8 +245,8 @@ class MoELayer(nn.Module):
             host = self.experts.impl_for(x_TD) != "grouped_mm"
             x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, host_counts=host)
         with record_function("moe.experts"):
-            weights = self.dispatcher.expert_weights(self.experts.weights(), meta)
-            y_ND = self.experts(x_ND, counts_E, weights)
+            y_ND = self.experts(x_ND, counts_E,
+                                lambda weights: self.dispatcher.expert_weights(weights, meta))
         with record_function("moe.combine"):
             y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
         if self.shared_experts is not None:
