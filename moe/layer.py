@@ -304,6 +304,8 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             gated = self.shared_experts.gate is not None
             parts.append("shared experts" + (" (sigmoid-gated)" if gated else ""))
+        if self.replica_slots:
+            parts.append(f"replica_slots={self.replica_slots}")
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)
