@@ -139,6 +139,14 @@ def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
         assert r["tokens"] == 2 * 2 * 32 and sum(r["counts"]) == r["tokens"] * 2
         assert all(isinstance(t["text"], str) for top in r["top_tokens"] for t in top)
     assert "hf.transformer.h.1.mlp.moe" in capsys.readouterr().out
+    # rows per ep rank planned for the config's expert-parallel layout, with/without replicas
+    assert main(["--config", str(cfg_file), "--out", str(out), "--batches", "2",
+                 "parallel.ep=2", "moe.replica_slots=1"]) == 0
+    for r in json.loads((out / "load.json").read_text())["layers"]:
+        assert len(r["rank_rows"]) == 2 and sum(r["rank_rows"]) == sum(r["rank_rows_unreplicated"])
+        assert r["rank_imbalance"] <= r["rank_imbalance_unreplicated"]
+        assert r["rank_rows_source"].startswith("planned for ep=2 replica_slots=1")
+    assert "rank max/mean" in capsys.readouterr().out
     assert main(["--config", str(cfg_file), "--out", str(out), "hf.family=bert"]) == 2
     assert "masked-LM" in capsys.readouterr().err
 
