@@ -89,7 +89,7 @@ class ExpertParallelDispatcher:
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, host_counts: bool = True):
         """host_counts is accepted for the dispatcher interface; the exchange needs the
         split sizes on the host, so counts_L are always Python ints here."""
-        P, r, W = self.world, self.rank, self.num_local + self.replica_slots
+        P, r = self.world, self.rank
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
         mine_PE = torch.tensor(counts_E, dtype=torch.long, device=x_TD.device).expand(P, -1)
         counts_PE = exchange_counts(mine_PE, self.group, self.counter).tolist()  # row p: rank p's
