@@ -138,6 +138,9 @@ def _errors(rank, P, rows):
             return
         rows.append((f"error: {case}", "no ValueError", 1.0, 0))
     expect("negative", lambda: MoELayer(D, F, 2 * P, 1, replica_slots=-1), ["replica_slots", ">= 0"])
+    alone = [dist.new_group([p]) for p in range(P)][rank]   # every rank creates every group
+    expect("one-rank group", lambda: MoELayer(D, F, 2 * P, 1, replica_slots=1, ep_group=alone),
+           ["moe.replica_slots", "parallel.ep > 1"])
     expect("too many", lambda: MoELayer(D, F, 2 * P, 1, replica_slots=2 * P,
                                         ep_group=dist.group.WORLD), ["moe.replica_slots", "at most"])
     dist.barrier()
