@@ -113,23 +113,31 @@ def route_rows(placement: Placement, counts_PE) -> Routes:
     P, L, R = placement.world, placement.num_local, placement.replica_slots
     W = L + R
     counts = [[int(c) for c in row] for row in counts_PE]
-    table = torch.zeros(P, P, W, dtype=torch.long)
+    table = [[0] * (P * W) for _ in range(P)]   # Python ints: one tensor at the end
     runs = [[] for _ in range(P)]
     for e, copies in enumerate(placement.pieces):
-        if sum(n for _, n in copies) != sum(counts[s][e] for s in range(P)):
+        column = [counts[s][e] for s in range(P)]
+        if sum(n for _, n in copies) != sum(column):
             raise ValueError(f"placement of expert {e} does not match the counts it is routed with")
+        if len(copies) == 1:   # not replicated: every source's rows go to the owner
+            g = copies[0][0] * W + placement.slot(e, copies[0][0])
+            for s in range(P):
+                if column[s]:
+                    table[s][g] += column[s]
+                    runs[s].append((g, column[s]))
+            continue
         bounds, lo = [], 0
         for rank, n in copies:
-            bounds.append((lo, lo + n, rank))
+            bounds.append((lo, lo + n, rank * W + placement.slot(e, rank)))
             lo += n
         start = 0
         for s in range(P):
-            end = start + counts[s][e]
-            for b0, b1, rank in bounds:
+            end = start + column[s]
+            for b0, b1, g in bounds:
                 n = min(end, b1) - max(start, b0)
                 if n > 0:
-                    slot = placement.slot(e, rank)
-                    table[s, rank, slot] += n
-                    runs[s].append((rank * W + slot, n))
+                    table[s][g] += n
+                    runs[s].append((g, n))
             start = end
-    return Routes(table, tuple(tuple(r) for r in runs))
+    table_PPW = torch.tensor(table, dtype=torch.long).view(P, P, W)
+    return Routes(table_PPW, tuple(tuple(r) for r in runs))
