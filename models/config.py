@@ -126,6 +126,7 @@ class MoEConfig:
     balance_loss: str = _help("sequence", "load-balance loss over: 'sequence', 'micro_batch' or 'global_batch' (all micro-batches and dp ranks of a step)")
     experts_impl: str = _help("auto", "expert matmuls: 'loop' (per-expert fused loop), 'grouped_mm' (torch._grouped_mm) or 'auto' (measured-faster per device/dtype)")
     force_balance: bool = _help(False, "BENCHMARKING ONLY: ignore the router's expert choice and spread assignments evenly (gates kept)")
+    replica_slots: int = _help(0, "hot-expert replication under expert parallelism: extra expert slots per ep rank for replicas of the step's hottest experts (same function, rows per rank nearer the mean); 0 = off, needs parallel.ep > 1")
 
     def __post_init__(self):
         # normalise what we can; leave junk in place for validate() to report
@@ -149,7 +150,7 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}; "
                              f"use top_k <= num_experts")
-        for n in ("every", "first_moe_layer", "d_ff", "num_shared_experts"):
+        for n in ("every", "first_moe_layer", "d_ff", "num_shared_experts", "replica_slots"):
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"moe.{n}={v!r} must be an integer >= 0")
@@ -206,7 +207,8 @@ class MoEConfig:
                     routed_scaling_factor=self.routed_scaling_factor, router_bias=self.router_bias,
                     shared_expert_gate=self.shared_expert_gate, swiglu_alpha=self.swiglu_alpha,
                     swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss,
-                    experts_impl=self.experts_impl, force_balance=self.force_balance)
+                    experts_impl=self.experts_impl, force_balance=self.force_balance,
+                    replica_slots=self.replica_slots)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

@@ -22,6 +22,15 @@ class DispatchMeta:
     num_tokens: int
     counts_E: object                # rows per local expert, in order: tuple, or long [E] tensor
 
+    @property
+    def rank_rows(self) -> torch.Tensor:
+        """long [1]: rows this process's experts received (one rank: all kept rows)."""
+        if isinstance(self.counts_E, torch.Tensor):
+            return self.counts_E.sum().reshape(1)  # stays on the device: no sync
+        return torch.tensor([sum(self.counts_E)], dtype=torch.long)
+
+    rank_rows_unreplicated = rank_rows
+
 
 def sort_by_expert(routing: Routing, num_experts: int, host_counts: bool = True):
     """Stable sort of the assignments by expert id -> (order_A, counts_E).
@@ -86,6 +95,10 @@ class LocalDispatcher:
         meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token, routing.num_tokens,
                             tuple(counts_E) if host_counts else counts_E)
         return x_ND, list(counts_E) if host_counts else counts_E, meta
+
+    def expert_weights(self, params: tuple, meta: DispatchMeta) -> tuple:
+        """The weights of every expert slot: here just the experts (no replicas)."""
+        return params
 
     def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch.Tensor:
         return weighted_combine(y_ND, meta, out_dtype)

@@ -1,15 +1,25 @@
 """Expert-parallel dispatcher: token rows travel to the rank that holds their expert.
 
 Shapes: T tokens, D model dim, A assignments kept on this rank, E global experts,
-L = E/P local experts, P ranks of the expert-parallel group, N rows received here.
+L = E/P local experts, P ranks of the expert-parallel group, N rows received here,
+R replica slots per rank, W = L + R expert slots per rank, X flattened weights of one expert.
 
 Each rank routes its own tokens (capacity drops are decided per routing group before any
-exchange, so they are the same as on one process), sorts its assignments by global expert
-id (which is also by destination rank, since rank r owns experts [r*L, (r+1)*L)),
-exchanges the [P, L] count table, then exactly the routed rows (no padding). Received rows
-arrive ordered (source rank, local expert); they are permuted to (local expert, source
-rank) so each local expert sees one contiguous slice, and permuted back before the return
-exchange. Rank-agnostic otherwise: the only distributed calls are in moe/all_to_all.py (the one primitive moe/ owns).
+exchange, so they are the same as on one process) and sorts its assignments by global expert
+id. The ranks then share their [E] counts (one all_to_all_single of a [P, E] table: every
+rank gets every source's counts), and each computes the same `moe.placement` from the global
+counts: with replica_slots R > 0 the hottest experts get replicas on the least-loaded ranks
+and their rows are split between the copies (R = 0: every row goes to its owner). Rows are
+re-sorted by destination slot and exactly the routed rows are exchanged (no padding).
+Received rows arrive ordered (source rank, slot); they are permuted to (slot, source rank)
+so each slot sees one contiguous slice, and permuted back before the return exchange.
+
+Replica weights are not state: `expert_weights` fetches them from their owners in every
+forward through the differentiable all-to-all, so the backward of that exchange sends each
+replica's weight gradient back to its owner, where the gather's backward adds it to the
+owner's gradient. The optimizer only ever sees owned experts, replicas are fresh every step
+and checkpoints hold no replica. The only distributed calls are in moe/all_to_all.py (the one
+primitive moe/ owns).
 """
 from dataclasses import dataclass
 
@@ -19,6 +29,7 @@ import torch.distributed as dist
 from .all_to_all import CommCounter, all_to_all, exchange_counts
 
 from .dispatcher import DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, weighted_combine
+from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
 
 EXPERT_PARAM_ATTR = "_moe_expert"  # set True on parameters that hold experts
@@ -26,11 +37,22 @@ EXPERT_PARAM_ATTR = "_moe_expert"  # set True on parameters that hold experts
 
 @dataclass(frozen=True)
 class EPDispatchMeta:
-    local: DispatchMeta        # this rank's assignments, sorted by global expert
+    local: DispatchMeta        # this rank's assignments, in send order (destination slot)
     send_splits: tuple         # rows sent to each rank (P)
     recv_splits: tuple         # rows received from each rank (P)
-    unperm_N: torch.Tensor     # long [N]: (expert, source) order -> (source, expert) order
-    counts_L: tuple            # rows per local expert after the exchange
+    unperm_N: torch.Tensor     # long [N]: (slot, source) order -> (source, slot) order
+    counts_L: tuple            # rows per local slot after the exchange (owned, then replicas)
+    placement: Placement       # the same on every rank of the group
+
+    @property
+    def rank_rows(self) -> torch.Tensor:
+        """long [P]: rows each rank of the group received (after replication)."""
+        return torch.tensor(self.placement.rank_rows, dtype=torch.long)
+
+    @property
+    def rank_rows_unreplicated(self) -> torch.Tensor:
+        """long [P]: rows each rank would have received without replicas (its owned experts')."""
+        return torch.tensor(self.placement.owner_rows, dtype=torch.long)
 
 
 def source_to_expert_order(recv_PL: torch.Tensor) -> torch.Tensor:
@@ -50,36 +72,75 @@ def source_to_expert_order(recv_PL: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelDispatcher:
-    """Dispatch to the experts spread over `group`; rank r of P owns [r*E/P, (r+1)*E/P)."""
+    """Dispatch to the experts spread over `group`; rank r of P owns [r*L, (r+1)*L) and has
+    `replica_slots` more slots for replicas of hot experts (moe/placement.py)."""
 
-    def __init__(self, num_experts: int, group, counter: CommCounter = None):
+    def __init__(self, num_experts: int, group, counter: CommCounter = None, replica_slots: int = 0):
         self.num_experts = num_experts
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.num_local = num_experts // self.world
+        self.replica_slots = replica_slots
         self.counter = counter if counter is not None else CommCounter()
+        # replica weights and their gradients, apart from the token rows in `counter`
+        self.replica_counter = CommCounter()
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, host_counts: bool = True):
         """host_counts is accepted for the dispatcher interface; the exchange needs the
         split sizes on the host, so counts_L are always Python ints here."""
-        P, L = self.world, self.num_local
+        P, r = self.world, self.rank
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
+        mine_PE = torch.tensor(counts_E, dtype=torch.long, device=x_TD.device).expand(P, -1)
+        counts_PE = exchange_counts(mine_PE, self.group, self.counter).tolist()  # row p: rank p's
+        placement = plan_placement([sum(c) for c in zip(*counts_PE)], P, self.replica_slots)
+        routes = route_rows(placement, counts_PE)
+        if self.replica_slots:  # rows of a replicated expert may go to several ranks
+            runs = routes.runs[r]
+            g_A = torch.repeat_interleave(torch.tensor([g for g, _ in runs], dtype=torch.long),
+                                          torch.tensor([n for _, n in runs], dtype=torch.long))
+            order_A = order_A[torch.sort(g_A.to(order_A.device), stable=True).indices]
         x_AD, token_A, gate_A, slot_A = gather_sorted(x_TD, routing, order_A)
         local = DispatchMeta(token_A, gate_A, slot_A, routing.slots_per_token,
                              routing.num_tokens, tuple(counts_E))
-        send_PL = torch.tensor(counts_E, dtype=torch.long, device=x_TD.device).view(P, L)
-        recv_PL = exchange_counts(send_PL, self.group, self.counter)
-        send_splits = [sum(counts_E[p * L:(p + 1) * L]) for p in range(P)]
-        recv_rows = recv_PL.tolist()
-        recv_splits = [sum(row) for row in recv_rows]
+        send_splits = routes.table_PPW[r].sum(1).tolist()
+        recv_PW = routes.table_PPW[:, r, :].to(x_TD.device)
+        recv_splits = recv_PW.sum(1).tolist()
         x_ND = all_to_all(x_AD, recv_splits, send_splits, self.group, self.counter)
-        perm_N = source_to_expert_order(recv_PL)
+        perm_N = source_to_expert_order(recv_PW)
         unperm_N = torch.empty_like(perm_N)
         unperm_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device)
-        counts_L = tuple(sum(recv_rows[p][l] for p in range(P)) for l in range(L))
-        meta = EPDispatchMeta(local, tuple(send_splits), tuple(recv_splits), unperm_N, counts_L)
+        slots = self.num_local + len(placement.replicas[r])
+        counts_L = tuple(recv_PW.sum(0).tolist()[:slots])
+        meta = EPDispatchMeta(local, tuple(send_splits), tuple(recv_splits), unperm_N, counts_L,
+                              placement)
         return x_ND[perm_N], list(counts_L), meta
+
+    def expert_weights(self, params: tuple, meta: EPDispatchMeta) -> tuple:
+        """Each of `params` (w1, w2, ... with E_local rows, None allowed) with this rank's
+        replicas appended, fetched from their owners by one differentiable all-to-all.
+
+        Owner o sends, to each rank c in order, its experts in c's replica list (ascending,
+        so grouped by owner), which arrive on c in slot order. In backward the reverse
+        exchange returns each replica's gradient to its owner and the index_select backward
+        adds it to the owner's rows. Collective when any rank holds a replica (the
+        placement is the same everywhere, so all ranks agree on whether to call it)."""
+        pl, L, r = meta.placement, self.num_local, self.rank
+        if not any(pl.replicas):
+            return params
+        present = [p for p in params if p is not None]
+        flat_LX = torch.cat([p.reshape(L, -1) for p in present], 1)
+        send_idx = [e - r * L for c in range(self.world) for e in pl.replicas[c] if e // L == r]
+        send_splits = [sum(e // L == r for e in pl.replicas[c]) for c in range(self.world)]
+        recv_splits = [sum(e // L == o for e in pl.replicas[r]) for o in range(self.world)]
+        idx = torch.tensor(send_idx, dtype=torch.long, device=flat_LX.device)
+        rep_RX = all_to_all(flat_LX.index_select(0, idx), recv_splits, send_splits, self.group,
+                            self.replica_counter)
+        widths = [p[0].numel() for p in present]
+        reps = iter(rep_RX.split(widths, 1))
+        return tuple(None if p is None else
+                     torch.cat([p, next(reps).reshape(-1, *p.shape[1:]).to(p.dtype)])
+                     for p in params)
 
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype) -> torch.Tensor:
         y_src_ND = y_ND[meta.unperm_N]
@@ -108,6 +169,13 @@ def check_shardable(layer, ep_group) -> tuple:
     if E % P:
         raise ValueError(f"num_experts={E} is not divisible by the expert-parallel size {P}; "
                          "choose ep dividing num_experts")
+    R, L = layer.replica_slots, E // P
+    if R and P == 1:
+        raise ValueError(f"replica_slots={R} (moe.replica_slots) needs an expert-parallel group of "
+                         f"more than one rank; set it to 0 or use parallel.ep > 1")
+    if R > E - L:
+        raise ValueError(f"replica_slots={R} (moe.replica_slots) exceeds the {E - L} experts a rank "
+                         f"does not own at ep={P}; use at most {E - L}")
     if layer.experts.num_local != E:
         raise ValueError(f"layer.experts holds {layer.experts.num_local} experts, expected all "
                          f"{E}: shard a layer that still has its full weights")
@@ -118,7 +186,9 @@ def shard_layer_experts(layer, ep_group, counter: CommCounter = None) -> None:
     """Keep experts [r*E/P, (r+1)*E/P) of `layer`, install the all-to-all dispatcher.
 
     The layer must hold full weights (identical on every rank, e.g. same seed); they are
-    sliced in place, so build optimizers afterwards. Expert parameters are marked with
+    sliced in place, so build optimizers afterwards. With `layer.replica_slots` > 0 each rank
+    also serves replicas of hot experts (weights fetched from their owners every forward, never
+    stored). Expert parameters are marked with
     `EXPERT_PARAM_ATTR`. Errors (E % P, wrong group) are raised before any collective.
     """
     P, r = check_shardable(layer, ep_group)
@@ -132,4 +202,5 @@ def shard_layer_experts(layer, ep_group, counter: CommCounter = None) -> None:
     if P == 1:
         layer.dispatcher = LocalDispatcher(layer.num_experts)
     else:
-        layer.dispatcher = ExpertParallelDispatcher(layer.num_experts, ep_group, counter)
+        layer.dispatcher = ExpertParallelDispatcher(layer.num_experts, ep_group, counter,
+                                                    layer.replica_slots)

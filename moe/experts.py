@@ -229,15 +229,23 @@ class ExpertBank(nn.Module):
         impl = resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
         return "ops" if impl == "loop" and self.act_fn is None else impl
 
-    def forward(self, x_ND: torch.Tensor, counts) -> torch.Tensor:
-        if len(counts) != self.num_local:
-            raise ValueError(f"counts has {len(counts)} entries for {self.num_local} local experts")
+    def weights(self) -> tuple:
+        """(w1, w2, w3, b1, b2, b3), None where absent: what forward's `params` replaces."""
+        return (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
+
+    def forward(self, x_ND: torch.Tensor, counts, extend=None) -> torch.Tensor:
+        """extend(weights) -> weights to run: called here, inside this module's forward (where
+        FSDP2 has unsharded the parameters), with `weights()`; it may append expert rows
+        (the expert-parallel dispatcher appends replicas of other ranks' experts). counts
+        has one entry per row of the weights run."""
+        params = self.weights() if extend is None else tuple(extend(self.weights()))
+        if len(counts) != params[0].shape[0]:
+            raise ValueError(f"counts has {len(counts)} entries for {params[0].shape[0]} local experts")
         impl = self.impl_for(x_ND)
         if impl != "grouped_mm" and isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # the loops slice on the host
         if impl == "ops":
-            return self._forward_ops(x_ND, counts)
-        params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
+            return self._forward_ops(x_ND, counts, params)
         dev = x_ND.device.type
         if torch.is_autocast_enabled(dev):
             # autocast would run every matmul in its low dtype: cast once (differentiably,
@@ -260,13 +268,13 @@ class ExpertBank(nn.Module):
             return clamped_swiglu(h1_NF, h3_NF, self.swiglu_alpha, self.swiglu_limit)
         return self.act_fn(h1_NF) * h3_NF
 
-    def _forward_ops(self, x_ND: torch.Tensor, counts: list) -> torch.Tensor:
+    def _forward_ops(self, x_ND: torch.Tensor, counts: list, params: tuple = None) -> torch.Tensor:
         """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),
         mixed dtypes. Slower: autograd stacks per-expert weight grads and cats."""
+        params = self.weights() if params is None else params
         if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
-            return x_ND @ self.w1[0, :, :0] @ self.w2[0, :0, :]
-        w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in
-                                  (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
+            return x_ND @ params[0][0, :, :0] @ params[1][0, :0, :]
+        w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in params)
         outs = []
         for e, x_nD in enumerate(torch.split(x_ND, counts)):
             if counts[e] == 0:

@@ -124,6 +124,13 @@ class MoELayer(nn.Module):
           sends assignment t*K+k to expert (t*K+k) % E (exactly balanced when E divides
           S*K), keeping the gate values the router gave; gradients still flow. Warns when
           on; `layer.force_balance` and the repr expose it so a trainer can say so.
+      replica_slots: R >= 0 extra expert slots per rank of the expert-parallel group (0 = off).
+          Each forward, the hottest experts of that step get replicas on the least-loaded
+          ranks and their rows are split between the copies (moe/placement.py); replica
+          weights are fetched from the owners, their gradients summed back into the owners
+          (moe/ep_dispatcher.py). Same function as R = 0. Takes effect when the layer is
+          sharded over an ep group of more than one rank (an error otherwise).
+          `last_stats.rank_rows` / `.rank_rows_unreplicated`: rows per ep rank with / without.
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
@@ -139,7 +146,8 @@ class MoELayer(nn.Module):
                  shared_expert_gate: bool = False, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, logits_dtype=None, score_dtype=None,
                  expert_capacity=None, balance_loss: str = "sequence",
-                 experts_impl: str = "auto", force_balance: bool = False):
+                 experts_impl: str = "auto", force_balance: bool = False,
+                 replica_slots: int = 0):
         super().__init__()
         eval_cf = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
         _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_cf, router,
@@ -157,6 +165,10 @@ class MoELayer(nn.Module):
                              f"{router!r} is balanced by construction: use router='token_choice'")
         if force_balance:
             warnings.warn(FORCE_BALANCE_WARNING, stacklevel=2)
+        if not _is_int(replica_slots) or replica_slots < 0:
+            raise ValueError(f"replica_slots={replica_slots!r} must be an integer >= 0 (0 = no "
+                             f"hot-expert replicas)")
+        self.replica_slots = replica_slots
         self.balance_loss = balance_loss
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_cf
@@ -233,13 +245,14 @@ class MoELayer(nn.Module):
             host = self.experts.impl_for(x_TD) != "grouped_mm"
             x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, host_counts=host)
         with record_function("moe.experts"):
-            y_ND = self.experts(x_ND, counts_E)
+            y_ND = self.experts(x_ND, counts_E,
+                                lambda weights: self.dispatcher.expert_weights(weights, meta))
         with record_function("moe.combine"):
             y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
         if self.shared_experts is not None:
             with record_function("moe.shared_experts"):
                 y_TD = y_TD + self.shared_experts(x_TD)
-        self._record(routing)
+        self._record(routing, meta)
         return y_TD.reshape(shape)
 
     def _balance(self, routing, mask_GS):
@@ -254,19 +267,22 @@ class MoELayer(nn.Module):
             f_stats = self.balance_window
         return pooled_balance_loss(psum_E, f_stats, int(stats[-1]), world, self.top_k)
 
-    def _record(self, routing) -> None:
+    def _record(self, routing, meta) -> None:
         self.aux_losses = routing.aux_losses
         coefs = {"load_balance": self.aux_loss_coef, "z_loss": self.z_loss_coef}
         self.aux_loss = sum(coefs[k] * v for k, v in routing.aux_losses.items())
         with torch.no_grad():
             self.last_stats = RoutingStats(routing.routed_E.detach(), routing.kept_E.detach(),
-                                           routing.num_tokens, self.top_k, routing.entropy)
+                                           routing.num_tokens, self.top_k, routing.entropy,
+                                           meta.rank_rows, meta.rank_rows_unreplicated)
 
     def extra_repr(self) -> str:
         s = (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
              f"top_k={self.top_k}, capacity_factor={self.capacity_factor}")
         if self.experts.experts_impl != "auto":
             s += f", experts_impl={self.experts.experts_impl!r}"
+        if self.replica_slots:
+            s += f", replica_slots={self.replica_slots}"
         return s + (", force_balance=True (BENCHMARK ONLY: routing ignored)"
                     if self.force_balance else "")
 
@@ -288,6 +304,8 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             gated = self.shared_experts.gate is not None
             parts.append("shared experts" + (" (sigmoid-gated)" if gated else ""))
+        if self.replica_slots:
+            parts.append(f"replica_slots={self.replica_slots}")
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

@@ -1,10 +1,15 @@
 """Expert-load profile: run a model over held-out batches and report how its routers behave.
 
-Shapes: T tokens, E experts, A assignments (kept token copies).
+Shapes: T tokens, E experts, A assignments (kept token copies), P expert-parallel ranks.
 `profile_model` works on any model holding MoELayers (ours or a moefied Hugging Face one). It
 watches each layer's router through a forward hook that reads the Routing it returns, so the
 layer's contract is untouched. Writes out_dir/load.json, out_dir/load.png and TensorBoard
 (out_dir/tensorboard, or a writer you pass, e.g. the training run's).
+
+Rows per expert-parallel rank, with and without hot-expert replication: measured (the
+layer's `last_stats.rank_rows`) when the model runs expert-parallel; for a one-process model
+given `ep=(P, R)`, planned per batch by moe.placement from that batch's expert counts (exactly
+what P ranks with R replica slots would receive for the same global batch).
 
 CLI: python -m trainer.profile --config CONFIG.toml [--checkpoint DIR] --out DIR [--batches N]
 """
@@ -16,6 +21,7 @@ import torch
 
 from .aux import moe_layers
 from .heatmap import heatmap_figure
+from .placement import plan_placement
 
 
 class _LayerTally:
@@ -29,6 +35,23 @@ class _LayerTally:
         self.tokens, self.entropy_sum = 0, 0.0
         self.pairs = []          # per batch: long [A, 2] (expert, token id), or None if unknown
         self.stream = "decoder" if "decoder" in name.split(".") else "encoder"
+        self.rank_rows = self.rank_rows_unreplicated = None   # long [P], summed over batches
+        self.rank_rows_source = None
+
+    def add_rank_rows(self, stats, ep) -> None:
+        """After a layer forward: its rows per ep rank (measured, or planned for ep=(P, R))."""
+        if stats.rank_rows.numel() > 1 or ep is None or ep[0] == 1:
+            rows, unrep, source = stats.rank_rows.cpu(), stats.rank_rows_unreplicated.cpu(), "measured"
+        else:
+            pl = plan_placement(stats.kept_E.tolist(), *ep)
+            rows, unrep = torch.tensor(pl.rank_rows), torch.tensor(pl.owner_rows)
+            source = f"planned for ep={ep[0]} replica_slots={ep[1]} from one-process counts"
+        if self.rank_rows is None:
+            self.rank_rows, self.rank_rows_unreplicated = rows.clone(), unrep.clone()
+        else:
+            self.rank_rows += rows
+            self.rank_rows_unreplicated += unrep
+        self.rank_rows_source = source
 
     def add(self, routing, ids_T) -> None:
         expert_A = routing.expert_A.detach().cpu()
@@ -86,6 +109,10 @@ def _top_tokens(tally: _LayerTally, tokenizer, top_n: int):
     return out
 
 
+def _max_over_mean(rows) -> float:
+    return 0.0 if rows is None or rows.sum() == 0 else float(rows.max() / rows.double().mean())
+
+
 def layer_report(tally: _LayerTally, tokenizer=None, top_n: int = 8) -> dict:
     kept = tally.kept_E.double()
     total = float(kept.sum())
@@ -106,6 +133,14 @@ def layer_report(tally: _LayerTally, tokenizer=None, top_n: int = 8) -> dict:
         "entropy_max": math.log(tally.num_experts),
         "dead_experts": torch.nonzero(tally.kept_E == 0).flatten().tolist(),
         "top_tokens": _top_tokens(tally, tokenizer, top_n),
+        # rows per expert-parallel rank, after / without hot-expert replication (sums over
+        # batches), their max/mean, and whether measured or planned (see module docstring)
+        "rank_rows": None if tally.rank_rows is None else tally.rank_rows.tolist(),
+        "rank_rows_unreplicated": (None if tally.rank_rows_unreplicated is None
+                                   else tally.rank_rows_unreplicated.tolist()),
+        "rank_imbalance": _max_over_mean(tally.rank_rows),
+        "rank_imbalance_unreplicated": _max_over_mean(tally.rank_rows_unreplicated),
+        "rank_rows_source": tally.rank_rows_source,
     }
 
 
@@ -118,8 +153,10 @@ def _summary(layers: list) -> dict:
 
 
 @torch.no_grad()
-def collect_load(model, batches, max_batches=None) -> list:
-    """Run `model` in eval mode over `batches` (tensors, tuples or kwargs dicts) -> tallies."""
+def collect_load(model, batches, max_batches=None, ep=None) -> list:
+    """Run `model` in eval mode over `batches` (tensors, tuples or kwargs dicts) -> tallies.
+    ep=(P, R): plan rows per rank for P expert-parallel ranks with R replica slots when the
+    model runs in one process (see the module docstring)."""
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no MoELayer to profile; swap its FFNs "
@@ -128,6 +165,9 @@ def collect_load(model, batches, max_batches=None) -> list:
     current = {}   # the token ids of the batch being run, read by the hooks
     hooks = [layer.router.register_forward_hook(
         lambda mod, args, routing, t=t: t.add(routing, current.get(t.stream)))
+        for t, (_, layer) in zip(tallies, layers)]
+    hooks += [layer.register_forward_hook(
+        lambda mod, args, out, t=t: t.add_rank_rows(mod.last_stats, ep))
         for t, (_, layer) in zip(tallies, layers)]
     was_training = model.training
     device = next(model.parameters()).device
@@ -178,20 +218,22 @@ def _to_tensorboard(writer, layers: list, fig, step: int) -> None:
             sum=float(sum(e * c for e, c in enumerate(counts))),
             sum_squares=float(sum(e * e * c for e, c in enumerate(counts))),
             bucket_limits=[e + 0.5 for e in range(E)], bucket_counts=counts, global_step=step)
-        for key in ("imbalance", "cv", "entropy", "dropped_fraction"):
+        for key in ("imbalance", "cv", "entropy", "dropped_fraction", "rank_imbalance",
+                    "rank_imbalance_unreplicated"):
             writer.add_scalar(f"moe_load/{r['name']}/{key}", r[key], step)
         writer.add_scalar(f"moe_load/{r['name']}/dead_experts", len(r["dead_experts"]), step)
 
 
 def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=None,
-                  top_n: int = 8, writer=None, step: int = 0) -> dict:
+                  top_n: int = 8, writer=None, step: int = 0, ep=None) -> dict:
     """Profile expert load over `batches`; write load.json, load.png, TensorBoard if out_dir.
 
     Per layer: counts (sum = tokens * top_k - dropped for token-choice routing), share,
     dropped fraction, imbalance (max/mean), coefficient of variation, router entropy, dead
-    experts and the most frequent token ids per expert (decoded when a tokenizer is given).
+    experts and the most frequent token ids per expert (decoded when a tokenizer is given),
+    rows per expert-parallel rank with and without replication (ep=(P, R): see collect_load).
     """
-    tallies = collect_load(model, batches, max_batches)
+    tallies = collect_load(model, batches, max_batches, ep)
     layers = [layer_report(t, tokenizer, top_n) for t in tallies]
     report = {"batches": len(tallies[0].pairs), "layers": layers, "summary": _summary(layers)}
     if out_dir is not None:

@@ -143,8 +143,9 @@ class Parallelized:
         out = {name: sum_routing_stats(s, pool) for name, s in stats.items()}
         if self.plan.pp > 1:
             parts = [None] * self.plan.pp
-            mine = {k: (v.routed_E.cpu(), v.kept_E.cpu(), v.num_tokens, v.top_k, v.entropy.cpu())
-                    for k, v in out.items()}
+            cpu = (lambda t: None if t is None else t.cpu())
+            mine = {k: (v.routed_E.cpu(), v.kept_E.cpu(), v.num_tokens, v.top_k, v.entropy.cpu(),
+                        cpu(v.rank_rows), cpu(v.rank_rows_unreplicated)) for k, v in out.items()}
             dist.all_gather_object(parts, mine, group=self._group("pp"))
             out = {k: RoutingStats(*v) for part in parts for k, v in part.items()}
         return out

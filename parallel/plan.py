@@ -74,6 +74,8 @@ class ParallelPlan:
                                    microbatches=self.microbatches or (self.pp if self.pp > 1 else 1))
         _check_ep(plan)
         _check_zero_family(plan)
+        if _has_moe(moe_cfg):
+            _check_replicas(plan, moe_cfg)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
         if batch_size is not None:
@@ -208,6 +210,16 @@ def _check_hpz(p: ParallelPlan) -> None:
 def _has_moe(moe_cfg) -> bool:
     return moe_cfg is not None and getattr(moe_cfg, "every", 1) != 0 and \
         getattr(moe_cfg, "num_experts", 0) > 0
+
+
+def _check_replicas(p: ParallelPlan, moe_cfg) -> None:
+    R, E = getattr(moe_cfg, "replica_slots", 0), moe_cfg.num_experts
+    if R and p.ep == 1:
+        raise _err(f"moe.replica_slots={R} replicates hot experts across expert-parallel ranks, "
+                   f"but parallel.ep=1; set parallel.ep > 1 or moe.replica_slots=0")
+    if p.ep > 1 and E % p.ep == 0 and R > E - E // p.ep:
+        raise _err(f"moe.replica_slots={R} exceeds the {E - E // p.ep} experts an ep rank does "
+                   f"not own (moe.num_experts={E}, parallel.ep={p.ep}); use at most {E - E // p.ep}")
 
 
 def _check_model(p: ParallelPlan, m, moe_cfg) -> None:

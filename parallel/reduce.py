@@ -33,7 +33,8 @@ def sum_routing_stats(stats: RoutingStats, group) -> RoutingStats:
     """A RoutingStats summed over the ranks of `group` (ranks that route distinct tokens).
 
     Counts are summed, entropy becomes the token-weighted mean. One all-reduce of a packed
-    float64 tensor (exact for counts below 2**53).
+    float64 tensor (exact for counts below 2**53). rank_rows (and rank_rows_unreplicated)
+    are kept as this rank holds them: they already cover its whole expert-parallel group.
     """
     E = stats.routed_E.numel()
     n_tokens = torch.tensor([stats.num_tokens, float(stats.entropy) * stats.num_tokens],
@@ -43,4 +44,5 @@ def sum_routing_stats(stats: RoutingStats, group) -> RoutingStats:
     n = int(packed[2 * E])
     return RoutingStats(routed_E=packed[:E].round().long(), kept_E=packed[E:2 * E].round().long(),
                         num_tokens=n, top_k=stats.top_k,
-                        entropy=(packed[2 * E + 1] / max(n, 1)).float())
+                        entropy=(packed[2 * E + 1] / max(n, 1)).float(),
+                        rank_rows=stats.rank_rows, rank_rows_unreplicated=stats.rank_rows_unreplicated)

@@ -118,6 +118,16 @@ class MetricsLogger:
             self.tb.add_scalar(f"{tag}/router_entropy", float(st.entropy), step)
             self.tb.add_scalar(f"{tag}/dead_experts", len(st.dead_experts), step)
             self._expert_histogram(f"{tag}/expert_load", counts_E, step)
+            if st.rank_rows is not None and st.rank_rows.numel() > 1:
+                # rows per expert-parallel rank (what the step waits for), with and without
+                # hot-expert replication (moe.replica_slots); equal when it is off
+                self.tb.add_scalar(f"{tag}/rank_imbalance", st.rank_imbalance, step)
+                self.tb.add_scalar(f"{tag}/rank_imbalance_unreplicated",
+                                   st.rank_imbalance_unreplicated, step)
+                for p, (n, n0) in enumerate(zip(st.rank_rows.tolist(),
+                                                st.rank_rows_unreplicated.tolist())):
+                    self.tb.add_scalar(f"{tag}/rank_rows/{p}", n, step)
+                    self.tb.add_scalar(f"{tag}/rank_rows_unreplicated/{p}", n0, step)
 
     def _expert_histogram(self, tag: str, counts_E, step: int) -> None:
         # One bucket per expert id, so TensorBoard draws the load of each expert.

@@ -6,7 +6,9 @@
 Builds the model exactly as train.py does (trainer/model.py), loads the model weights of a
 checkpoint (a run dir: its latest complete checkpoint; or one checkpoint dir), runs N validation batches of train.batch_size sequences
 (the data split train.py evaluates on) and writes DIR/load.json, DIR/load.png and
-DIR/tensorboard. Without --checkpoint it profiles the freshly initialised model.
+DIR/tensorboard. Without --checkpoint it profiles the freshly initialised model. Rows per
+expert-parallel rank are planned for the config's parallel.ep and moe.replica_slots from each
+batch's expert counts ("rank max/mean": without -> with replication).
 """
 import argparse
 import sys
@@ -62,11 +64,13 @@ def validation_batches(cfg, arch: str, n_batches: int, device):
 
 
 def print_summary(report: dict, out) -> None:
-    print(f"{'layer':40s} {'imbal':>6s} {'cv':>6s} {'entropy':>12s} {'dropped':>8s}  dead", file=out)
+    print(f"{'layer':40s} {'imbal':>6s} {'cv':>6s} {'entropy':>12s} {'dropped':>8s} "
+          f"{'rank max/mean':>15s}  dead", file=out)
     for r in report["layers"]:
+        ranks = f"{r['rank_imbalance_unreplicated']:.2f}->{r['rank_imbalance']:.2f}"
         print(f"{r['name'][-40:]:40s} {r['imbalance']:6.2f} {r['cv']:6.2f} "
-              f"{r['entropy']:5.2f}/{r['entropy_max']:<5.2f} {100 * r['dropped_fraction']:7.1f}%  "
-              f"{r['dead_experts'] or '-'}", file=out)
+              f"{r['entropy']:5.2f}/{r['entropy_max']:<5.2f} {100 * r['dropped_fraction']:7.1f}% "
+              f"{ranks:>15s}  {r['dead_experts'] or '-'}", file=out)
 
 
 def main(argv=None) -> int:
@@ -93,7 +97,8 @@ def main(argv=None) -> int:
             print(f"weights: {load_model_weights(args.checkpoint, par)}")
         batches, tokenizer = validation_batches(cfg, arch, args.batches, device)
         with torch.no_grad():  # scoped: the CLI is also called in-process by tests
-            report = profile_model(par.model, batches, args.out, tokenizer=tokenizer)
+            report = profile_model(par.model, batches, args.out, tokenizer=tokenizer,
+                                   ep=(cfg.parallel.ep, cfg.moe.replica_slots))
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

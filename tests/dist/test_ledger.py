@@ -4,7 +4,8 @@ Tiny MoE GPT (tests/dist/dense_common.py), one forward+backward+clip per layout;
 the payload each rank hands to its collectives (see ledger.py), so every number is exact:
   dp=2:        all-reduce of every gradient (fp32) once; the norm reduction (4 bytes) is "other"
   dp=2 ep=2:   dense + router gradients all-reduced (experts have no copy to sync: edp=1);
-               all-to-all per MoE layer: count tables (P*L int64) plus the routed rows
+               all-to-all per MoE layer: count tables (P*E int64: every rank's [E] counts
+               to every rank, for the replica placement) plus the routed rows
                (T*K rows of D floats) out and back in forward, and again in backward
   zero=3 dp=2: FSDP2 all-gathers each unit's padded shard (forward, and again in backward
                for units resharded after forward) and reduce-scatters its padded gradients
@@ -52,7 +53,7 @@ def _worker(rank, world):
     experts = {id(p) for _, m in layers for p in m.experts.parameters()}
     dense = _nbytes(p for p in par.model.parameters() if id(p) not in experts)
     T, K, D, E = dc.B * dc.S, layers[0][1].top_k, 32, layers[0][1].num_experts
-    counts = 2 * (E // 2) * 8  # a [P, L] int64 table per layer, sent by each rank
+    counts = 2 * E * 8  # a [P, E] int64 table per layer, sent by each rank
     a2a_total = len(layers) * (2 * counts + 4 * T * K * D * 4)  # summed over both ranks
     mine = torch.tensor([got.get("expert_all_to_all", 0)])
     dist.all_reduce(mine)

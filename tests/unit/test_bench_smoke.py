@@ -1,4 +1,4 @@
-"""Smoke test: bench/moe_layer.py --quick runs end to end on a toy size (no timing checks)."""
+"""Smoke tests: bench scripts run end to end on toy sizes (no timing checks)."""
 import os
 import subprocess
 import sys
@@ -15,3 +15,18 @@ def test_bench_quick_runs():
     for name in ("floor", "moekit", "grouped_mm", "balanced", "fairscale", "hf"):
         assert any(f" {name} " in ln and "x floor" in ln for ln in lines), (name, out.stdout)
     assert any("E sweep" in ln for ln in lines) and sum(ln.startswith("E=") and "grouped_mm" in ln for ln in lines) == 3
+
+
+def test_replication_bench_quick_runs():
+    """bench/replication.py --quick at ep=2: replicas bring max/mean rows per rank under 1.10
+    from >= 1.5, move some bytes, and leave the outputs exactly as without replicas."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "replication.py"), "--quick", "--eps", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {int(ln.split()[1]): ln.split() for ln in out.stdout.splitlines()
+            if ln.split()[:1] == ["2"] and len(ln.split()) == 11}
+    assert sorted(rows) == [0, 1, 2], out.stdout
+    assert float(rows[0][2]) >= 1.5 and float(rows[0][3]) == float(rows[0][2]), out.stdout
+    for R in (1, 2):
+        assert float(rows[R][3]) <= 1.10 and float(rows[R][4]) > 0, out.stdout
+        assert float(rows[R][10]) == 0.0, out.stdout

@@ -15,5 +15,6 @@ def test_readme_test_command_collects_tests_dist():
     dist_ids = [i for i in ids if i.startswith("tests/dist/")]
     # the layout matrix at world 2/4/8 and expert parallelism at world 2/4 must be among them
     for name in ("test_world2_data_zero_expert_tensor_pipeline", "test_world4_composed_layouts",
-                 "test_world8_all_five", "test_expert_parallel_world2", "test_expert_parallel_world4"):
+                 "test_world8_all_five", "test_expert_parallel_world2", "test_expert_parallel_world4",
+                 "test_replication_world2", "test_replication_world4"):
         assert any(i.endswith("::" + name) for i in dist_ids), (name, dist_ids)

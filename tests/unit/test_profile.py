@@ -139,6 +139,14 @@ def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
         assert r["tokens"] == 2 * 2 * 32 and sum(r["counts"]) == r["tokens"] * 2
         assert all(isinstance(t["text"], str) for top in r["top_tokens"] for t in top)
     assert "hf.transformer.h.1.mlp.moe" in capsys.readouterr().out
+    # rows per ep rank planned for the config's expert-parallel layout, with/without replicas
+    assert main(["--config", str(cfg_file), "--out", str(out), "--batches", "2",
+                 "parallel.ep=2", "moe.replica_slots=1"]) == 0
+    for r in json.loads((out / "load.json").read_text())["layers"]:
+        assert len(r["rank_rows"]) == 2 and sum(r["rank_rows"]) == sum(r["rank_rows_unreplicated"])
+        assert r["rank_imbalance"] <= r["rank_imbalance_unreplicated"]
+        assert r["rank_rows_source"].startswith("planned for ep=2 replica_slots=1")
+    assert "rank max/mean" in capsys.readouterr().out
     assert main(["--config", str(cfg_file), "--out", str(out), "hf.family=bert"]) == 2
     assert "masked-LM" in capsys.readouterr().err
 
@@ -160,3 +168,22 @@ def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
     checkpoint.load_model_weights(tmp_path / "run", fresh_par)
     for (name, a), b in zip(trained.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_rank_rows_planned_for_expert_parallel_layout():
+    """One process: rows per ep rank planned for ep=(P, R) from each batch's counts."""
+    torch.manual_seed(0)
+    layer = MoELayer(D, F, E, top_k=2)
+    with torch.no_grad():
+        layer.router.selection_bias[[0, 1]] = 10.0   # every token picks experts 0 and 1
+    batches = [torch.randn(2, 5, D) for _ in range(3)]
+    rows = 3 * 2 * 5 * 2
+    one = profile_model(nn.Sequential(layer), batches)["layers"][0]
+    assert one["rank_rows"] == one["rank_rows_unreplicated"] == [rows]
+    assert one["rank_rows_source"] == "measured"
+    rep = profile_model(nn.Sequential(layer), batches, ep=(2, 1))["layers"][0]
+    assert rep["rank_rows_unreplicated"] == [rows, 0] and rep["rank_imbalance_unreplicated"] == 2.0
+    assert rep["rank_rows"] == [rows // 2, rows // 2] and rep["rank_imbalance"] == 1.0
+    assert "planned for ep=2 replica_slots=1" in rep["rank_rows_source"]
+    off = profile_model(nn.Sequential(layer), batches, ep=(2, 0))["layers"][0]
+    assert off["rank_rows"] == off["rank_rows_unreplicated"] == [rows, 0]
