@@ -31,13 +31,17 @@ def pinning() -> bool:
 
 
 def host_empty_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised host tensor shaped like t (pinned when CUDA exists)."""
+    """An uninitialised host tensor shaped like t (pinned when CUDA exists); a meta tensor
+    stays on meta (a model parallelized for planning allocates nothing)."""
+    if t.is_meta:
+        return torch.empty_like(t, device="meta")
     return torch.empty(t.shape, dtype=t.dtype, device=host_device(), pin_memory=pinning())
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A new host tensor with t's values (pinned, copied without blocking, when CUDA exists)."""
-    return host_empty_like(t).copy_(t.detach(), non_blocking=pinning())
+    out = host_empty_like(t)
+    return out if t.is_meta else out.copy_(t.detach(), non_blocking=pinning())
 
 
 def wait_for_copies() -> None:
