@@ -112,11 +112,11 @@ class CommLedger:
         """Book the collectives inside under `kind` (e.g. "other" for a scalar norm reduction
         that runs on a group which is also the dp group)."""
         assert kind in KINDS, kind
-        self.label = kind
+        outer, self.label = self.label, kind
         try:
             yield
         finally:
-            self.label = None
+            self.label = outer  # nested labels (clip inside the step's "other") restore it
 
     @contextlib.contextmanager
     def recording(self):
