@@ -156,10 +156,12 @@ def model_state_bytes(model, grads: list, optimizer) -> dict:
     seen, out = set(), {"params": Counter(), "grads": Counter(), "optimizer": Counter()}
 
     def add(category, t):
-        t = local(t)
+        # dedupe by the held object: DTensor.to_local() makes a new (short-lived) view per
+        # call, whose id() the next one may reuse, which used to drop tensors from the count
         if t is None or id(t) in seen or not isinstance(t, torch.Tensor):
             return
         seen.add(id(t))
+        t = local(t)
         out[category][t.device.type] += t.numel() * t.element_size()
     for p in model.parameters():
         add("params", p)

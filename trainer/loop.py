@@ -259,11 +259,15 @@ class Trainer:
                             + "; continue with train.resume=true")
 
     def _peak_memory(self, n: int):
-        """A PeakMemory for the first step (log.peak_mem), else None: its per-op hook stays off."""
-        if not (self.cfg.log.peak_mem and n == self.first_step):
+        """A PeakMemory for the step after the first (the first that starts with optimizer
+        state: the steady state) when log.peak_mem, else None: its per-op hook stays off.
+        Its baseline is the parameters and optimizer state held before the step (the
+        step's zero_grad frees the old gradients first)."""
+        if not (self.cfg.log.peak_mem and n == min(self.first_step + 1, self.cfg.train.steps)):
             return None
-        held = model_state_bytes(self.model, self.par.grads(), self.optimizer)
-        return PeakMemory(self.ctx.device, sum(sum(d.values()) for d in held.values()))
+        held = model_state_bytes(self.model, [], self.optimizer)
+        baseline = sum(held["params"].values()) + sum(held["optimizer"].values())
+        return PeakMemory(self.ctx.device, baseline)
 
     def _agree(self, total_loss: torch.Tensor, norm):
         """(diverged, stop) the same on every rank: a non-finite loss or gradient norm on any

@@ -10,7 +10,8 @@ plus `baseline_bytes`, the tensors alive before the step (parameters, optimizer 
 ZeRO slices, from parallel.ledger.model_state_bytes). Not seen: buffers inside libraries
 (gloo, MKL workspaces) and storages freed outside Python references' lifetimes, so it is
 the bytes of live PyTorch tensors, like the CUDA number. The hook costs Python work per op,
-so the training loop runs it on the first step only (log.peak_mem).
+so the training loop runs it on one step only: the second (the first that starts with
+optimizer state, i.e. the steady state; log.peak_mem).
 """
 import contextlib
 import weakref
@@ -29,16 +30,14 @@ class _LiveBytes:
         unless `t` aliases an op input (a view or in-place result of a tensor from before)."""
         if t.device.type == "meta":
             return
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # e.g. sparse or wrapper tensors
+        key, nbytes = _storage_key(t)
+        if key is None:
             return
-        key = (t.device.type, storage.data_ptr())
         entry = self.storages.get(key)
         if entry is None:
             if aliases_input:
                 return
-            entry = self.storages[key] = [storage.nbytes(), 0]
+            entry = self.storages[key] = [nbytes, 0]
             self.live += entry[0]
             self.peak = max(self.peak, self.live)
         entry[1] += 1
@@ -74,19 +73,22 @@ def _tensors(out):
     return []
 
 
+def _storage_key(t):
+    """((device type, data pointer), bytes) of t's storage; (None, 0) for tensors without
+    one of their own (wrapper subclasses such as DTensor or async collective results)."""
+    try:
+        storage = t.untyped_storage()
+        return (t.device.type, storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None, 0
+
+
 def _aliases_input(t, args) -> bool:
     """In-place ops and views return an input's storage: nothing new was allocated."""
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+    key, _ = _storage_key(t)
+    if key is None:
         return True
-    for a in _tensors(list(args)):
-        try:
-            if a.untyped_storage().data_ptr() == ptr:
-                return True
-        except (RuntimeError, NotImplementedError):
-            continue
-    return False
+    return any(_storage_key(a)[0] == key for a in _tensors(list(args)))
 
 
 class PeakMemory:
