@@ -68,20 +68,23 @@ class RankState:
     params: Tensors                 # the local parameter tensors (tied weight once)
     params_by_kind: dict            # {"dense"|"pool"|"expert": bytes}
     buckets: list                   # [(kind, dims, group size, local grad bytes, slice bytes, padded bytes)]
+                                    # (zero 0, 1 and 2 reduce the same buckets)
     fsdp_units: list                # [(dims, group size, shard bytes, is_root)]
-    optimizer_params: Tensors       # what the optimizer steps: params, ZeRO slices or shards
+    slices: Tensors                 # ZeRO-1/2 flat slices (the same for both stages; empty otherwise)
     block_ids: list                 # transformer blocks on this rank
-    moe_block_ids: list
     first_stage: bool
     last_stage: bool
     tied_pair: bool                 # a weight shared with the other end of the pipeline
     tied_bytes: int
     largest_param_bytes: int
+    replicated_tp_bytes: int        # tp-replicated DTensor params (norms): grads all-reduced over tp
     groups: dict                    # group_dims(plan, rank)
 
 
 def read_rank_state(build_model, plan: ParallelPlan, rank: int) -> RankState:
-    """Parallelize a fresh meta model (`build_model()`) for `rank` of a validated plan."""
+    """Parallelize a fresh meta model (`build_model()`) for `rank` of a validated plan.
+    ZeRO 0, 1 and 2 hold the same tensors apart from the slices, so a plan with zero 1
+    answers for all three (the caller picks what its stage uses)."""
     if plan.world == 1:
         return _read(parallelize(build_model(), plan, None, loss_fn=_no_loss), plan, rank)
     with fake_world(rank, plan.world):
@@ -101,25 +104,31 @@ def _read(par, plan, rank) -> RankState:
         params.add(t)
         by_kind[kinds.get(id(p), "dense")] += t.numel() * t.element_size()
     groups = group_dims(plan, rank) if plan.world > 1 else {}
-    opt = Tensors()
+    slices = Tensors()
     if par.zero is not None:
         for s in par.zero.shard_of.values():
-            opt.add(s)
-    else:
-        for p in model.parameters():
-            opt.add(local(p))
+            slices.add(s)
     blocks = list(getattr(model, "blocks", []) or [])
     names = [n for n, _ in getattr(model, "blocks", {}).named_children()] if blocks else []
-    from moe import MoELayer
-    moe_ids = [int(n) for n, b in zip(names, blocks) if any(isinstance(m, MoELayer) for m in b.modules())]
     first = getattr(model, "tok_emb", 1) is not None
     last = getattr(model, "lm_head", 1) is not None
     tied = par.tied is not None and par.tied.group is not None
     return RankState(plan, rank, params, by_kind, _buckets(par, groups),
                      _fsdp_units(model, groups) if plan.zero == 3 and plan.world > 1 else [],
-                     opt, [int(n) for n in names], moe_ids, first, last, tied,
+                     slices, [int(n) for n in names], first, last, tied,
                      _nbytes(local(par.tied.param)) if tied else 0,
-                     max((_nbytes(local(p)) for p in model.parameters()), default=0), groups)
+                     max((_nbytes(local(p)) for p in model.parameters()), default=0),
+                     _replicated_tp(model), groups)
+
+
+def _replicated_tp(model) -> int:
+    from torch.distributed.tensor import DTensor, Replicate
+    total = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) and \
+                all(isinstance(pl, Replicate) for pl in p.placements):
+            total += _nbytes(local(p))
+    return total
 
 
 def _nbytes(t) -> int:
