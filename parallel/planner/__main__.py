@@ -16,6 +16,7 @@ function and imports nothing above parallel/.
 """
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 
@@ -77,10 +78,8 @@ def workload_from_config(cfg, imbalance: float = 1.0) -> Workload:
     def build():  # a fresh copy per layout: parallelize changes the model in place
         return copy.deepcopy(template)
 
-    def check(plan, world):
-        trial = copy.deepcopy(cfg)
-        trial.parallel = plan
-        return validate(trial, world)
+    def check(plan, world):  # train.py's whole validation, with this layout
+        return validate(dataclasses.replace(cfg, parallel=plan), world)
 
     return Workload(build, cfg.model, cfg.moe, cfg.train.batch_size, stream_tokens(cfg),
                     cfg.train.micro_batch_size, cfg.train.optimizer, imbalance, check)

@@ -26,7 +26,8 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
   bytes per vocabulary entry per token (vocabulary gathered: not divided by tp).
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
 Phases (each on top of params + optimizer state):
-  forward end     activations (+ zero 3: two gathered FSDP units, the next prefetched)
+  forward end     activations (+ zero 3: two gathered FSDP units, the next prefetched;
+                  + the gradients when earlier micro-batches of the step made them)
   gradient sync   full gradients + the flat copy all_reduce_flat / reduce-scatter make of
                   the largest bucket (zero 3: the largest unit's unsharded gradient)
   optimizer step  held gradients + two temporaries of the largest parameter
@@ -108,6 +109,7 @@ class Activations:
     in_flight: int          # micro-batch-chunks alive at once
     loss: int               # the last stage's loss temporaries (one micro-batch)
     total: int
+    microbatches: int       # forward+backward passes per step on this rank
 
 
 def micro_seqs(w, plan) -> float:
@@ -136,7 +138,8 @@ def activations(w, plan, state, stage: int) -> Activations:
         S_out = w.stream_tokens["decoder"]
         loss = int(seqs * S_out * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
     total = int(per_chunk * flight + rebuild + loss)
-    return Activations(int(kept), flight, loss, total)
+    passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
+    return Activations(int(kept), flight, loss, total, passes)
 
 
 # ---------------------------------------------------------------- peak
@@ -147,6 +150,8 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     full_grads = state.params.bytes
     held = sum(ms["grads"].values())
     forward = base + acts.total
+    if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
+        forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:
         biggest = max(u[1] * u[2] for u in state.fsdp_units)
         forward += 2 * biggest

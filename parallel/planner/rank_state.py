@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..apply import parallelize
 from ..dtensors import local
-from ..mesh import build_meshes, rank_groups
+from ..mesh import build_meshes
 from ..plan import ParallelPlan
 
 __all__ = ["RankState", "Tensors", "read_rank_state", "group_dims", "fake_world"]
@@ -38,14 +38,15 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def group_dims(plan: ParallelPlan, rank: int) -> dict:
-    """{dim: (frozenset of the dims whose group is the same rank set, group size)} for this
-    rank: a group serving several dims (ep == tp, dp of the whole world) counts as all of
-    them, as in parallel/ledger.py."""
-    mine = {dim: tuple(next(g for g in groups if rank in g))
-            for dim, groups in rank_groups(plan).items()}
-    return {dim: (frozenset(d for d, g in mine.items() if g == ranks), len(ranks))
-            for dim, ranks in mine.items()}
+DIMS = ("pp", "dp", "tp", "edp", "ep", "pool")
+
+
+def group_dims(meshes) -> dict:
+    """{dim: (frozenset of the dims served by the same process group, group size)}: a group
+    serving several dims (DeviceMesh hands out the default group for a dim spanning the
+    whole world) counts as all of them, exactly as parallel/ledger.py's CommLedger sees it."""
+    names = {d: meshes.group(d).group_name for d in DIMS}
+    return {d: (frozenset(e for e in DIMS if names[e] == names[d]), meshes.size(d)) for d in DIMS}
 
 
 @dataclass
@@ -78,7 +79,7 @@ class RankState:
     tied_bytes: int
     largest_param_bytes: int
     replicated_tp_bytes: int        # tp-replicated DTensor params (norms): grads all-reduced over tp
-    groups: dict                    # group_dims(plan, rank)
+    groups: dict                    # group_dims(meshes)
 
 
 def read_rank_state(build_model, plan: ParallelPlan, rank: int) -> RankState:
@@ -103,7 +104,7 @@ def _read(par, plan, rank) -> RankState:
         t = local(p)
         params.add(t)
         by_kind[kinds.get(id(p), "dense")] += t.numel() * t.element_size()
-    groups = group_dims(plan, rank) if plan.world > 1 else {}
+    groups = group_dims(par.meshes) if par.meshes is not None else {}
     slices = Tensors()
     if par.zero is not None:
         for s in par.zero.shard_of.values():

@@ -36,19 +36,18 @@ class Hardware:
         return self.gpu_mem_gb * 1e9
 
 
-def _bandwidth(plan, rank: int, dim: str, hw: Hardware) -> float:
-    groups = rank_groups(plan).get(dim, [[rank]])
-    ranks = next((g for g in groups if rank in g), [rank])
+def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware) -> float:
+    ranks = next((g for g in groups.get(dim, [[rank]]) if rank in g), [rank])
     inside = len({r // hw.gpus_per_node for r in ranks}) == 1
     return (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
 
 
 def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
     """{kind: seconds} of this rank's events."""
-    out = {}
+    out, groups = {}, rank_groups(plan) if events else {}
     for kind, collective, dim, size, nbytes in events:
         wire = nbytes * _WIRE.get(collective, lambda P: 1.0)(size)
-        out[kind] = out.get(kind, 0.0) + wire / _bandwidth(plan, rank, dim, hw)
+        out[kind] = out.get(kind, 0.0) + wire / _bandwidth(groups, rank, dim, hw)
     return out
 
 
