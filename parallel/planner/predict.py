@@ -8,7 +8,7 @@ from .flops import rank_flops
 from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state
 from .schedule import bubble_fraction
-from .step_time import comm_seconds, stage_seconds
+from .step_time import comm_seconds, stage_seconds, wire_bytes
 
 
 @dataclass
@@ -19,7 +19,8 @@ class StagePrediction:
     activation_per_microbatch: int
     in_flight: int
     memory: dict               # {"forward"|"grad_sync"|"optimizer_step"|"peak": bytes}
-    comm_bytes: dict           # {ledger kind: bytes per step}
+    comm_bytes: dict           # {ledger kind: bytes per step} (payload, as the ledger counts)
+    wire_bytes: int            # what that puts on the wire (ring/pairwise algorithms)
     flops: float
     comm_s: dict
     step_s: float
@@ -73,7 +74,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         comm_s = comm_seconds(events, plan, rank, hw)
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
-            acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, flops, comm_s,
+            acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
+            flops, comm_s,
             stage_seconds(flops, comm_s, out.bubble, hw)))
     out.step_s = max(s.step_s for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

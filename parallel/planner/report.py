@@ -86,7 +86,7 @@ def _pred_dict(p) -> dict:
                        "activation_bytes": s.activation_bytes,
                        "activation_bytes_per_microbatch": s.activation_per_microbatch,
                        "in_flight_microbatches": s.in_flight, "memory_bytes": s.memory,
-                       "comm_bytes": s.comm_bytes, "flops": s.flops, "comm_s": s.comm_s,
+                       "comm_bytes": s.comm_bytes, "wire_bytes": s.wire_bytes, "flops": s.flops, "comm_s": s.comm_s,
                        "step_s": s.step_s} for s in p.stages]}
 
 

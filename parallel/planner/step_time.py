@@ -42,6 +42,11 @@ def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware) -> float:
     return (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
 
 
+def wire_bytes(events) -> int:
+    """Bytes a rank puts on the wire for its events (the algorithm factors above)."""
+    return int(sum(n * _WIRE.get(c, lambda P: 1.0)(size) for _, c, _, size, n in events))
+
+
 def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
     """{kind: seconds} of this rank's events."""
     out, groups = {}, rank_groups(plan) if events else {}

@@ -33,7 +33,8 @@ TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.d_ff=6
         "data.max_bytes=1000000", "train.eval_every=0", "log.moe_stats_every=0",
         "train.warmup_steps=2", "train.steps=2", "checkpoint.at_end=false",
         "log.tensorboard=false", "log.progress=none"]
-LAYOUTS = [  # (world, parallel overrides)
+SWITCH = ["model.arch=switch", "model.vocab_size=384", "model.n_layers=2"]  # + sentinel ids
+LAYOUTS = [  # (world, parallel overrides[, other overrides])
     (1, {}),
     (2, {"dp": 2}),
     (2, {"dp": 2, "zero": 1}),
@@ -43,12 +44,13 @@ LAYOUTS = [  # (world, parallel overrides)
     (2, {"dp": 2, "ep": 2}),
     (4, {"dp": 2, "tp": 2, "ep": 2, "zero": 2}),
     (8, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "zero": 1, "microbatches": 2}),
+    (2, {"dp": 2, "zero": 3, "recompute": "full"}, SWITCH),  # encoder-decoder, span corruption
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
 
-def _args(spec: dict, cache: Path, run_dir: Path) -> list:
-    return TINY + [f"parallel.{k}={json.dumps(v)}" for k, v in spec.items()] + \
+def _args(spec: dict, cache: Path, run_dir: Path, extra=()) -> list:
+    return TINY + list(extra) + [f"parallel.{k}={json.dumps(v)}" for k, v in spec.items()] + \
         [f"data.cache_dir={cache}", f"run.dir={run_dir}"]
 
 
@@ -82,9 +84,10 @@ def _close(pred: float, got: float, tol: float) -> bool:
 def test_planner_predicts_measured_runs(tmp_path):
     cache = tmp_path / "data_cache"
     rows, failures = [], []
-    for world, spec in LAYOUTS:
-        name = f"w{world} " + (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
-        args = _args(spec, cache, tmp_path / f"run{len(rows)}")
+    for world, spec, *extra in LAYOUTS:
+        name = f"w{world} " + ("switch " if extra else "") + \
+            (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
+        args = _args(spec, cache, tmp_path / f"run{len(rows)}", *extra)
         recs = _measure(world, args, tmp_path)
         pred = _predict(world, args)
         stage = pred.rank0()
