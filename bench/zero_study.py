@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel.planner import Hardware, StateCache, predict  # noqa: E402
 from parallel.planner.__main__ import workload_from_config  # noqa: E402
+from parallel.planner.enumerate import rejection  # noqa: E402
 from parallel.planner.flops import model_costs  # noqa: E402
+from parallel.planner.report import BUILD_ERRORS  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 # name -> (d_model, d_ff, layers per stack, heads): params counted from the built model
@@ -58,7 +60,12 @@ def study(models, gpus_list, hw):
             base = None
             for zero in (0, 1, 2, 3):
                 plan = w.validate(cfg.parallel.__class__(**{**vars(cfg.parallel), "zero": zero}), gpus)
-                p = predict(w, plan, hw, costs, cache)
+                try:
+                    p = predict(w, plan, hw, costs, cache)
+                except BUILD_ERRORS as e:  # a layout parallelize() refuses: say why
+                    rows.append(dict(model=name, params=params, gpus=gpus, zero=zero,
+                                     refused=rejection(e)))
+                    continue
                 s = p.rank0()
                 state = sum(sum(v.values()) for v in s.model_state.values())
                 base = base or s.wire_bytes
@@ -74,6 +81,10 @@ def table(rows) -> str:
            "| wire GB/step/GPU | vs ZeRO-0 | tokens/s (pred.) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "refused" in r:
+            out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {r['zero']} "
+                       f"| refused: {r['refused']} |||||||")
+            continue
         out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {r['zero']} "
                    f"| {r['state'] / GB:.1f} | {r['peak'] / GB:.1f} "
                    f"| {'yes' if r['peak'] <= 40 * GB else 'no'} | {'yes' if r['peak'] <= 80 * GB else 'no'} "
@@ -92,7 +103,10 @@ def plot(rows, path: str) -> None:
     colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for m in models:
         for z in (0, 1, 2, 3):
-            pts = [(r["gpus"], r["peak"] / GB) for r in rows if r["model"] == m and r["zero"] == z]
+            pts = [(r["gpus"], r["peak"] / GB) for r in rows
+                   if r["model"] == m and r["zero"] == z and "peak" in r]
+            if not pts:
+                continue
             axes[0].plot(*zip(*pts), styles[z], marker="o", ms=3, color=colors[m],
                          label=f"{m} ZeRO-{z}" if z in (0, 3) or m == models[0] else None)
     for limit in (40, 80):
@@ -104,8 +118,10 @@ def plot(rows, path: str) -> None:
     axes[0].legend(fontsize=6, ncol=2)
     gpus = sorted({r["gpus"] for r in rows})
     for z in (1, 2, 3):
-        ratio = [[r["ratio"] for r in rows if r["gpus"] == g and r["zero"] == z] for g in gpus]
-        axes[1].plot(gpus, [sum(x) / len(x) for x in ratio], styles[z], marker="o", label=f"ZeRO-{z}")
+        ratio = [[r["ratio"] for r in rows if r["gpus"] == g and r["zero"] == z and "ratio" in r]
+                 for g in gpus]
+        pts = [(g, sum(x) / len(x)) for g, x in zip(gpus, ratio) if x]
+        axes[1].plot(*zip(*pts), styles[z], marker="o", label=f"ZeRO-{z} (mean over models)")
     axes[1].axhline(1.5, color="gray", lw=0.8)
     axes[1].set(xscale="log", xlabel="GPUs", ylabel="wire bytes / ZeRO-0 (data parallel)",
                 title="communication per step relative to data parallelism", ylim=(0, 2))
