@@ -111,10 +111,10 @@ def plot(rows, path: str) -> None:
                          label=f"{m} ZeRO-{z}" if z in (0, 3) or m == models[0] else None)
     for limit in (40, 80):
         axes[0].axhline(limit, color="gray", lw=0.8)
-        axes[0].text(axes[0].get_xlim()[0], limit, f" {limit} GB", va="bottom", fontsize=8)
-    axes[0].set(xscale="log", yscale="log", xlabel="GPUs", ylabel="predicted peak GB per GPU",
+        axes[0].annotate(f"{limit} GB", (1.0, limit), xycoords=("axes fraction", "data"),
+                         ha="right", va="bottom", fontsize=8)
+    axes[0].set(yscale="log", xlabel="GPUs", ylabel="predicted peak GB per GPU",
                 title="memory per GPU (line style = ZeRO stage)")
-    axes[0].set_xticks(sorted({r["gpus"] for r in rows}), [str(g) for g in sorted({r["gpus"] for r in rows})])
     axes[0].legend(fontsize=6, ncol=2)
     gpus = sorted({r["gpus"] for r in rows})
     for z in (1, 2, 3):
@@ -123,9 +123,12 @@ def plot(rows, path: str) -> None:
         pts = [(g, sum(x) / len(x)) for g, x in zip(gpus, ratio) if x]
         axes[1].plot(*zip(*pts), styles[z], marker="o", label=f"ZeRO-{z} (mean over models)")
     axes[1].axhline(1.5, color="gray", lw=0.8)
-    axes[1].set(xscale="log", xlabel="GPUs", ylabel="wire bytes / ZeRO-0 (data parallel)",
+    axes[1].set(xlabel="GPUs", ylabel="wire bytes / ZeRO-0 (data parallel)",
                 title="communication per step relative to data parallelism", ylim=(0, 2))
-    axes[1].set_xticks(gpus, [str(g) for g in gpus])
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(gpus, [str(g) for g in gpus])
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
