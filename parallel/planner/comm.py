@@ -47,7 +47,7 @@ def step_comm(w, plan, state) -> tuple:
 
     _grad_sync(plan, state, book)
     if plan.zero == 3:
-        _fsdp(plan, state, out, events)
+        _fsdp(_micro_count(w, plan), state, out, events)
     if state.tied_pair:
         tied = state.tied_bytes if plan.zero != 2 else _tied_slice(state)
         out["tied_embedding"] += tied
@@ -71,8 +71,8 @@ def _grad_sync(plan, state, book) -> None:
             book("gather", dim, mine)
 
 
-def _fsdp(plan, state, out, events) -> None:
-    m = plan.microbatches if plan.pp > 1 else 1
+def _fsdp(m: int, state, out, events) -> None:
+    """m micro-batches: each gathers the units again; the gradients are reduced once."""
     for dims, size, shard, is_root in state.fsdp_units:
         if size <= 1:
             continue

@@ -67,7 +67,6 @@ class RankState:
     plan: ParallelPlan
     rank: int
     params: Tensors                 # the local parameter tensors (tied weight once)
-    params_by_kind: dict            # {"dense"|"pool"|"expert": bytes}
     buckets: list                   # [(kind, dims, group size, local grad bytes, slice bytes, padded bytes)]
                                     # (zero 0, 1 and 2 reduce the same buckets)
     fsdp_units: list                # [(dims, group size, shard bytes, is_root)]
@@ -98,12 +97,9 @@ def _no_loss(logits, targets):
 
 
 def _read(par, plan, rank) -> RankState:
-    model, kinds = par.model, par.kinds
-    params, by_kind = Tensors(), {"dense": 0, "pool": 0, "expert": 0}
+    model, params = par.model, Tensors()
     for p in model.parameters():
-        t = local(p)
-        params.add(t)
-        by_kind[kinds.get(id(p), "dense")] += t.numel() * t.element_size()
+        params.add(local(p))
     groups = group_dims(par.meshes) if par.meshes is not None else {}
     slices = Tensors()
     if par.zero is not None:
@@ -114,7 +110,7 @@ def _read(par, plan, rank) -> RankState:
     first = getattr(model, "tok_emb", 1) is not None
     last = getattr(model, "lm_head", 1) is not None
     tied = par.tied is not None and par.tied.group is not None
-    return RankState(plan, rank, params, by_kind, _buckets(par, groups),
+    return RankState(plan, rank, params, _buckets(par, groups),
                      _fsdp_units(model, groups) if plan.zero == 3 and plan.world > 1 else [],
                      slices, [int(n) for n in names], first, last, tied,
                      _nbytes(local(par.tied.param)) if tied else 0,
