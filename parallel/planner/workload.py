@@ -4,10 +4,10 @@ the token streams, the optimizer and the routing assumption for dropless MoE lay
 Shapes: B global batch in sequences, S tokens per sequence of a stream, D model dim,
 F ffn dim, E experts, K top-k, V vocabulary.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-GATED = ("swiglu", "geglu", "clamped_swiglu", "reglu")
+from moe.experts import ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,10 @@ class Workload:
     optimizer: str = "adamw"       # adamw | adafactor
     imbalance: float = 1.0         # dropless MoE: rows the busiest expert-parallel rank receives / mean
     check: Callable = None         # plan -> validated plan, raising ValueError (default: ParallelPlan.validate)
-    stacks: tuple = field(default=("decoder",))
 
     @property
     def gated(self) -> bool:
-        return self.model_cfg.activation in GATED
+        return ACTIVATIONS.get(self.model_cfg.activation, (None, False))[1]
 
     @property
     def expert_d_ff(self) -> int:
