@@ -20,8 +20,14 @@ from .plan import ParallelPlan
 
 
 def _blocks(model) -> list:
-    blocks = getattr(model, "blocks", None)
-    return list(blocks) if blocks is not None else []
+    """The transformer blocks: model.blocks (GPT) or every stack's (the encoder-decoder's
+    encoder.blocks and decoder.blocks, which recomputation and FSDP2 units used to miss)."""
+    out = []
+    for owner in (model, getattr(model, "encoder", None), getattr(model, "decoder", None)):
+        blocks = getattr(owner, "blocks", None) if owner is not None else None
+        if blocks is not None:
+            out += list(blocks)
+    return out
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=None,

@@ -141,7 +141,7 @@ class CommLedger:
         try:
             yield
         finally:
-            self.label = outer
+            self.label = outer  # nested labels (clip inside the step's "other") restore it
 
     @contextlib.contextmanager
     def recording(self):

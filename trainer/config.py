@@ -270,6 +270,13 @@ def _check_batching(cfg: Config, plan) -> None:
                  f"(train.batch_size / dp = {cfg.train.batch_size} / {plan.dp}); pick a divisor of {local}")
 
 
+def check_hf_layout(cfg: Config, plan) -> None:
+    """Hugging Face families run data/expert parallelism and ZeRO only."""
+    _require(not cfg.hf.family or (plan.tp, plan.pp) == (1, 1),
+             "hf.family models support data/expert parallelism and ZeRO only; "
+             "set parallel.tp=1 and parallel.pp=1")
+
+
 def validate(cfg: Config, world_size: int):
     """Check every section and their combination; returns the resolved ParallelPlan."""
     _check_own(cfg)
@@ -287,6 +294,7 @@ def validate(cfg: Config, world_size: int):
         _require(not ignored, f"moe.{', moe.'.join(ignored)} set, but hf.family={cfg.hf.family!r} "
                               f"takes its routing from hf.pretrained's config; remove "
                               f"{'them' if len(ignored) > 1 else 'it'} from the [moe] section")
+    check_hf_layout(cfg, plan)
     _check_batching(cfg, plan)
     _check_optimizer(cfg, plan)
     return plan

@@ -31,6 +31,7 @@ from .distributed import any_rank, barrier, init_distributed, shutdown
 from .metrics import MetricsLogger
 from .model import build_model, init_fn, task_arch
 from .optim import WarmupCosine, build_optimizer
+from .peak_memory import PeakMemory
 from .run_dir import clear_run, prepare_run
 from .stops import Diverged, Preempted, StopRequest, Stopped
 from .tasks import Task, sentinels_needed, token_loss
@@ -204,7 +205,8 @@ class Trainer:
         scale = self.scaler.scale_value if self.scaler is not None else 1.0
         lr = self.sched.get_last_lr()
         counting = self.par.recording_comm() if self.cfg.log.comm_bytes else contextlib.nullcontext()
-        with counting:  # the training part of the step: its bytes by kind
+        peak = self._peak_memory(n)
+        with counting, peak or contextlib.nullcontext():  # the training part of the step
             loss, aux, stats = self._forward_backward(scale)
             with self.par.comm_label("other"):
                 overflow = self.scaler is not None and self.scaler.unscale_(self.par.grads())
@@ -218,6 +220,8 @@ class Trainer:
         rec = {"step": n}
         if n == self.first_step:  # what this rank holds, by device, read from the tensors
             rec["model_state_bytes"] = model_state_bytes(self.model, self.par.grads(), self.optimizer)
+        if peak is not None:
+            rec["peak_mem_bytes"] = peak.peak_bytes
         loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
         dt = time.perf_counter() - t0
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
@@ -255,6 +259,17 @@ class Trainer:
             raise Preempted(f"stopped by SIGTERM after step {n}"
                             + (f"; checkpoint {self.last_saved} saved" if self.last_saved else "")
                             + "; continue with train.resume=true")
+
+    def _peak_memory(self, n: int):
+        """A PeakMemory for the step after the first (the first that starts with optimizer
+        state: the steady state) when log.peak_mem, else None: its per-op hook stays off.
+        Its baseline is the parameters and optimizer state held before the step (the
+        step's zero_grad frees the old gradients first)."""
+        if not (self.cfg.log.peak_mem and n == min(self.first_step + 1, self.cfg.train.steps)):
+            return None
+        held = model_state_bytes(self.model, [], self.optimizer)
+        baseline = sum(held["params"].values()) + sum(held["optimizer"].values())
+        return PeakMemory(self.ctx.device, baseline)
 
     def _agree(self, total_loss: torch.Tensor, norm):
         """(diverged, stop) the same on every rank: a non-finite loss or gradient norm on any

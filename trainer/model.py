@@ -2,7 +2,7 @@
 import models
 from models.hf_build import TASKS as HF_TASKS
 
-from .config import ConfigError
+from .config import check_hf_layout
 
 
 def task_arch(cfg) -> str:
@@ -15,9 +15,7 @@ def build_model(cfg, device):
     a Hugging Face family with MoE FFNs when hf.family is set (built initialised on device)."""
     if cfg.hf.family:
         from models.hf_build import build_hf_model
-        if (cfg.parallel.tp, cfg.parallel.pp) != (1, 1):
-            raise ConfigError("hf.family models support data/expert parallelism and ZeRO only; "
-                              "set parallel.tp=1 and parallel.pp=1")
+        check_hf_layout(cfg, cfg.parallel)
         return build_hf_model(cfg.hf, cfg.model, cfg.moe, seed=cfg.train.seed, device=device)
     return models.build_model(cfg.model, cfg.moe, device="meta")
 

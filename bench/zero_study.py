@@ -1,0 +1,154 @@
+"""The ZeRO-stage study on paper: the layout planner's predictions for T5/Switch-style
+encoder-decoder models of 0.6B-13B parameters under ZeRO 0/1/2/3 on 8-64 GPUs.
+
+    python bench/zero_study.py [--gpus 8 16 32 64] [--models 0.6B 1.2B] [--out docs/zero_study]
+
+Nothing is trained and no weights exist: each model is built on the meta device
+(model.arch='switch' with moe.every=0: the dense T5-style encoder-decoder of models/switch.py,
+relu FFNs, tied 32,128-token embedding) and parallel/planner predicts one rank of pure data
+parallelism (tp = pp = ep = 1) at each ZeRO stage. Setting (stated, not the paper's):
+span corruption of 512-token samples (encoder 463, decoder 64 tokens after corruption),
+4 sequences per GPU (global batch 4 x GPUs), bf16 autocast with fp32 master weights (so
+model state is 16 bytes per parameter at ZeRO-0: fp32 params, grads, 2 Adam moments),
+full activation recomputation, AdamW. Hardware for the time column: the planner defaults
+(150 TFLOP/s, 150/25 GB/s intra/inter-node, 8 GPUs per node). Host offload is not modelled
+yet (parallel.offload is being added separately; it plugs into memory.py's *_by_device).
+
+Printed and written to OUT.md: per-GPU model state and peak, which of 40/80 GB it fits,
+wire bytes per step and their ratio to ZeRO-0, predicted tokens/s. OUT.png plots peak
+memory against GPUs and the communication ratio.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from parallel.planner import Hardware, StateCache, predict  # noqa: E402
+from parallel.planner.__main__ import workload_from_config  # noqa: E402
+from parallel.planner.enumerate import rejection  # noqa: E402
+from parallel.planner.flops import model_costs  # noqa: E402
+from parallel.planner.report import BUILD_ERRORS  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+
+# name -> (d_model, d_ff, layers per stack, heads): params counted from the built model
+MODELS = {"0.6B": (1024, 4096, 19, 16), "1.2B": (1536, 6144, 17, 24), "3B": (2048, 8192, 25, 32),
+          "6B": (3072, 12288, 22, 48), "13B": (4096, 16384, 28, 64)}
+PER_GPU_BATCH = 4
+GB = 1e9
+
+
+def config(shape, gpus: int):
+    d, f, layers, heads = shape
+    return load_config(None, [
+        "model.arch=switch", "model.vocab_size=32128", f"model.d_model={d}", f"model.d_ff={f}",
+        f"model.n_layers={layers}", f"model.n_heads={heads}", "model.max_seq_len=512",
+        "model.activation=relu", "moe.every=0", "data.seq_len=512",
+        f"train.batch_size={PER_GPU_BATCH * gpus}", "parallel.precision=bf16",
+        "parallel.recompute=full", f"parallel.dp={gpus}"])
+
+
+def study(models, gpus_list, hw):
+    rows = []
+    for name in models:
+        for gpus in gpus_list:
+            cfg = config(MODELS[name], gpus)
+            w = workload_from_config(cfg)
+            model = w.build_model()
+            params = sum(p.numel() for p in model.parameters())
+            costs, cache = model_costs(model, w), StateCache(w.build_model)
+            base = None
+            for zero in (0, 1, 2, 3):
+                plan = w.validate(cfg.parallel.__class__(**{**vars(cfg.parallel), "zero": zero}), gpus)
+                try:
+                    p = predict(w, plan, hw, costs, cache)
+                except BUILD_ERRORS as e:  # a layout parallelize() refuses: say why
+                    rows.append(dict(model=name, params=params, gpus=gpus, zero=zero,
+                                     refused=rejection(e)))
+                    continue
+                s = p.rank0()
+                state = sum(sum(v.values()) for v in s.model_state.values())
+                base = base or s.wire_bytes
+                rows.append(dict(model=name, params=params, gpus=gpus, zero=zero, state=state,
+                                 peak=p.peak_bytes, wire=s.wire_bytes, ratio=s.wire_bytes / base,
+                                 tokens_per_s=p.tokens_per_s))
+            print(f"  {name} on {gpus} GPUs done", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    out = ["| model | params | GPUs | ZeRO | model state GB/GPU | peak GB/GPU | fits 40 GB | fits 80 GB "
+           "| wire GB/step/GPU | vs ZeRO-0 | tokens/s (pred.) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "refused" in r:
+            out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {r['zero']} "
+                       f"| refused: {r['refused']} |||||||")
+            continue
+        out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {r['zero']} "
+                   f"| {r['state'] / GB:.1f} | {r['peak'] / GB:.1f} "
+                   f"| {'yes' if r['peak'] <= 40 * GB else 'no'} | {'yes' if r['peak'] <= 80 * GB else 'no'} "
+                   f"| {r['wire'] / GB:.2f} | {r['ratio']:.2f} "
+                   f"| {r['tokens_per_s']:,.0f} |")
+    return "\n".join(out)
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    styles = {0: "-", 1: "--", 2: "-.", 3: ":"}
+    colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for m in models:
+        for z in (0, 1, 2, 3):
+            pts = [(r["gpus"], r["peak"] / GB) for r in rows
+                   if r["model"] == m and r["zero"] == z and "peak" in r]
+            if not pts:
+                continue
+            axes[0].plot(*zip(*pts), styles[z], marker="o", ms=3, color=colors[m],
+                         label=f"{m} ZeRO-{z}" if z in (0, 3) or m == models[0] else None)
+    for limit in (40, 80):
+        axes[0].axhline(limit, color="gray", lw=0.8)
+        axes[0].annotate(f"{limit} GB", (1.0, limit), xycoords=("axes fraction", "data"),
+                         ha="right", va="bottom", fontsize=8)
+    axes[0].set(yscale="log", xlabel="GPUs", ylabel="predicted peak GB per GPU",
+                title="memory per GPU (line style = ZeRO stage)")
+    axes[0].legend(fontsize=6, ncol=2)
+    gpus = sorted({r["gpus"] for r in rows})
+    for z in (1, 2, 3):
+        ratio = [[r["ratio"] for r in rows if r["gpus"] == g and r["zero"] == z and "ratio" in r]
+                 for g in gpus]
+        pts = [(g, sum(x) / len(x)) for g, x in zip(gpus, ratio) if x]
+        axes[1].plot(*zip(*pts), styles[z], marker="o", label=f"ZeRO-{z} (mean over models)")
+    axes[1].axhline(1.5, color="gray", lw=0.8)
+    axes[1].set(xlabel="GPUs", ylabel="wire bytes / ZeRO-0 (data parallel)",
+                title="communication per step relative to data parallelism", ylim=(0, 2))
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(gpus, [str(g) for g in gpus])
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--out", default="docs/zero_study", help="writes OUT.md and OUT.png")
+    args = ap.parse_args()
+    rows = study(args.models, args.gpus, Hardware())
+    text = table(rows)
+    print(text)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    plot(rows, args.out + ".png")
+    print(f"wrote {args.out}.md and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""python -m parallel.planner: the layouts that fit a train.py config on N GPUs, fastest first.
+
+    python -m parallel.planner --config configs/gshard_gpt.toml --world 64
+    python -m parallel.planner --config configs/switch_base.toml --world 32 --gpu-mem 40 --json
+    python -m parallel.planner --world 8 model.d_model=1024 train.batch_size=64   (defaults + overrides)
+
+Config files and `section.field=value` overrides are read exactly as train.py reads them
+(trainer.config.load_config), and every candidate layout is checked by train.py's own
+validation (trainer.config.validate, which runs ParallelPlan.validate), so a layout listed
+here is one train.py accepts. The model is built on the meta device (no weights).
+
+Layering: this file is an entry point, like train.py, at the top of the stack; it is the
+only place under parallel/ that imports trainer/ (for the config), and nothing imports it.
+The planner library (the other modules of parallel/planner) takes the model as a build
+function and imports nothing above parallel/.
+"""
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+
+from .flops import model_costs
+from .predict import StateCache
+from .report import as_json, plan_all, text
+from .step_time import Hardware
+from .workload import Workload
+
+
+def _parser() -> argparse.ArgumentParser:
+    hw = Hardware()
+    ap = argparse.ArgumentParser(
+        prog="python -m parallel.planner",
+        description="List the parallel layouts (dp, tp, pp, ep, zero, recompute, pipeline "
+                    "schedule and micro-batches) of a train.py config that fit N GPUs, ranked "
+                    "by predicted step time, with per-rank memory, communication per step and "
+                    "the reason each other layout does not fit. Models: see the docstrings of "
+                    "parallel/planner/memory.py, comm.py, flops.py and step_time.py.",
+        epilog="Anything after the options of the form section.field=value overrides the "
+               "config, as for train.py (e.g. train.batch_size=256 moe.capacity_factor=1.25).")
+    ap.add_argument("--config", help="train.py TOML config (default: train.py's built-in defaults)")
+    ap.add_argument("--world", type=int, required=True, help="number of GPUs (ranks)")
+    ap.add_argument("--gpu-mem", type=float, default=hw.gpu_mem_gb, help="memory per GPU in GB (default %(default)s)")
+    ap.add_argument("--gpus-per-node", type=int, default=hw.gpus_per_node, help="GPUs per node (default %(default)s)")
+    ap.add_argument("--intra-bw", type=float, default=hw.intra_bw_gbs, help="per-GPU bandwidth inside a node, GB/s (default %(default)s)")
+    ap.add_argument("--inter-bw", type=float, default=hw.inter_bw_gbs, help="per-GPU bandwidth between nodes, GB/s (default %(default)s)")
+    ap.add_argument("--flops", type=float, default=hw.tflops, help="achievable dense TFLOP/s per GPU (default %(default)s)")
+    ap.add_argument("--imbalance", type=float, default=1.0,
+                    help="dropless MoE: rows the busiest expert-parallel rank receives / the mean "
+                         "(default %(default)s = balanced; with a capacity factor it is capped by it)")
+    ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                    help="ZeRO stages to consider (default all)")
+    ap.add_argument("--top", type=int, default=10, help="rows per table in the text output (default %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print every layout as JSON instead of tables")
+    return ap
+
+
+def stream_tokens(cfg) -> dict:
+    """Tokens per sequence of each stack: seq_len (decoder-only), or the span-corrupted
+    encoder input and decoder target lengths of a seq_len+1 sample (encoder-decoder)."""
+    from trainer.model import task_arch
+    if task_arch(cfg) != "switch":
+        return {"decoder": cfg.data.seq_len}
+    from data.span_corruption import corrupted_lengths
+    enc, dec = corrupted_lengths(cfg.data.seq_len + 1, cfg.data.noise_density,
+                                 cfg.data.mean_span_length)
+    return {"encoder": enc, "decoder": dec}
+
+
+def workload_from_config(cfg, imbalance: float = 1.0) -> Workload:
+    import torch
+
+    from trainer.config import validate
+    from trainer.model import build_model
+
+    template = build_model(cfg, torch.device("meta"))  # hf families: tiny configs, on CPU
+
+    def build():  # a fresh copy per layout: parallelize changes the model in place
+        return copy.deepcopy(template)
+
+    def check(plan, world):  # train.py's whole validation, with this layout
+        return validate(dataclasses.replace(cfg, parallel=plan), world)
+
+    return Workload(build, cfg.model, cfg.moe, cfg.train.batch_size, stream_tokens(cfg),
+                    cfg.train.micro_batch_size, cfg.train.optimizer, imbalance, check)
+
+
+def main(argv=None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        print(f"error: unrecognized arguments {' '.join(bad)} (overrides look like "
+              f"section.field=value)", file=sys.stderr)
+        return 2
+    from trainer.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config, overrides)
+        for name in ("model", "moe", "hf"):
+            getattr(cfg, name).validate()
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hw = Hardware(args.gpu_mem, args.gpus_per_node, args.intra_bw, args.inter_bw, args.flops)
+    w = workload_from_config(cfg, args.imbalance)
+    costs = model_costs(w.build_model(), w)
+    result = plan_all(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model),
+                      zeros=tuple(args.zero))
+    if args.json:
+        print(json.dumps(as_json(result, args.world, hw), indent=1))
+    else:
+        print(f"{args.config or 'defaults'} on {args.world} GPUs of {args.gpu_mem:g} GB "
+              f"({args.gpus_per_node}/node, {args.intra_bw:g}/{args.inter_bw:g} GB/s intra/inter, "
+              f"{args.flops:g} TFLOP/s), global batch {cfg.train.batch_size} x "
+              f"{'+'.join(str(v) for v in w.stream_tokens.values())} tokens")
+        print(text(result, args.top, hw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Bytes this rank hands to collectives in one optimizer step, by ledger kind.
+
+Same payload convention and the same classification as parallel/ledger.py (each event is
+a collective class on a group that is a set of mesh dims; ledger.classify names its kind),
+so predictions and the ledger's measured `comm_bytes` compare kind by kind.
+a = activation element bytes, b sequences per micro-batch per rank, S tokens per sequence,
+D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
+  gradient sync (zero 0/1/2), per reduction bucket whose group has > 1 rank:
+    zero 0/1 all-reduce of the full local gradients; zero 2 reduce-scatter of them padded
+    to P equal slices; zero 1/2 all-gather of the updated slices
+  zero 3 (FSDP2): per unit, all-gather of its shard in every micro-batch's forward and again
+    in backward (the root once: it stays gathered), one reduce-scatter of the padded grads
+  tied embedding (pp > 1): all-reduce of the held gradient of the shared weight
+  pipeline: per micro-batch the activation [b, S, D] forward (not from the last stage)
+    and its gradient back (not from the first); plus 8 bytes of loss sums over pp
+  expert all-to-all, per MoE layer and micro-batch: 2 (A + r A) rows of D (dispatch and
+    combine, forward and backward; A = b S K / tp own rows, r A received at imbalance r,
+    capped by the capacity factor), + the P x L int64 count table
+  tensor parallel, per micro-batch (activation dtype): embedding all-reduce b S D; per block
+    attention gather + reduce-scatter and their backward 2 b (S/tp) D + 2 b S D, a dense FFN
+    the same again, an MoE layer 4 b (S/tp) D (sequence <-> batch all-to-all, both ways);
+    final norm / head gather b (S/tp) D; logits gather b S (V/tp); the sequence split's
+    backward gather b (S/tp) D; replicated norm weights' gradient all-reduce; recompute
+    repeats the forward collectives of every block
+  other: the gradient-norm all-reduce (4 bytes) and the step's agreement flags (16 bytes)
+"""
+from collections import Counter
+
+from ..ledger import KINDS, classify
+from .memory import act_bytes, micro_seqs
+
+
+def step_comm(w, plan, state) -> tuple:
+    """({kind: bytes}, [(kind, collective, dim, group size, bytes)]) for this rank: the
+    kinds of parallel/ledger.py (zeros omitted) and the events behind them (step_time.py
+    turns those into seconds)."""
+    if plan.world == 1:
+        return {}, []
+    out, events = Counter(), []
+
+    def book(collective, dim, nbytes):
+        dims, size = state.groups[dim]
+        if size > 1 and nbytes:
+            kind = classify(collective, set(dims))
+            out[kind] += int(nbytes)
+            events.append((kind, collective, dim, size, int(nbytes)))
+
+    _grad_sync(plan, state, book)
+    if plan.zero == 3:
+        _fsdp(_micro_count(w, plan), state, out, events)
+    if state.tied_pair:
+        tied = state.tied_bytes if plan.zero != 2 else _tied_slice(state)
+        out["tied_embedding"] += tied
+        events.append(("tied_embedding", "reduce", "pp", 2, tied))
+    _pipeline(w, plan, state, book)
+    _experts(w, plan, state, book)
+    _tensor(w, plan, state, book, out, events)
+    out["other"] += 20
+    return {k: out[k] for k in KINDS if out[k]}, events
+
+
+def _grad_sync(plan, state, book) -> None:
+    dim_of = {"dense": "dp", "pool": "pool", "expert": "edp"}
+    for kind, _dims, _size, full, mine, padded in state.buckets:
+        dim = dim_of[kind]
+        if plan.zero == 2:
+            book("scatter", dim, padded)
+        else:
+            book("reduce", dim, full)
+        if plan.zero in (1, 2):
+            book("gather", dim, mine)
+
+
+def _fsdp(m: int, state, out, events) -> None:
+    """m micro-batches: each gathers the units again; the gradients are reduced once."""
+    for dims, size, shard, is_root in state.fsdp_units:
+        if size <= 1:
+            continue
+        for collective, nbytes in (("gather", shard * m * (1 if is_root else 2)),
+                                   ("scatter", shard * size)):
+            kind = classify(collective, set(dims))
+            out[kind] += nbytes
+            events.append((kind, collective, sorted(dims)[0], size, nbytes))
+
+
+def _tied_slice(state) -> int:
+    return state.tied_bytes // state.groups["dp"][1]
+
+
+def _pipeline(w, plan, state, book) -> None:
+    if plan.pp == 1:
+        return
+    a = 4  # the residual stream between stages stays in the parameters' dtype
+    seqs, S = micro_seqs(w, plan), w.stream_tokens["decoder"]
+    per_mb = seqs * S * w.model_cfg.d_model * a / plan.tp
+    sends = 0
+    for chunk in range(plan.stages_per_rank):
+        stage = state.rank // (plan.dp * plan.tp) + chunk * plan.pp
+        sends += (stage != plan.num_stages - 1) + (stage != 0)
+    book("p2p", "pp", per_mb * plan.microbatches * sends)
+    book("reduce", "pp", 8)
+
+
+def _micro_count(w, plan) -> int:
+    if plan.pp > 1:
+        return plan.microbatches
+    local = w.batch_size // plan.dp
+    return local // (w.micro_batch_size or local)
+
+
+def _experts(w, plan, state, book) -> None:
+    moe_blocks = [i for i in w.blocks_on(state, plan) if w.is_moe_block(i)]
+    if plan.ep == 1 or not moe_blocks:
+        return
+    moe, seqs = w.moe_cfg, micro_seqs(w, plan)
+    again = plan.recompute == "full"  # recomputation repeats dispatch and combine
+    r = w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
+    rows = 0.0
+    for stream, S in w.stream_tokens.items():
+        n = len(moe_blocks)
+        own = seqs * S * moe.top_k / plan.tp
+        if moe.capacity_factor and moe.capacity_factor < 1:
+            own *= moe.capacity_factor
+        rows += n * (3 if again else 2) * (own + r * own)
+    row_bytes = w.model_cfg.d_model * 4
+    table = moe.num_experts * 8 * len(moe_blocks) * len(w.stream_tokens) * (2 if again else 1)
+    book("a2a", "ep", (rows * row_bytes + table) * _micro_count(w, plan))
+
+
+def _tensor(w, plan, state, book, out, events) -> None:
+    """DTensor collectives (functional: the ledger books them as tensor_parallel whatever
+    else the tp group is) and the MoE layers' own ones on the tp group (classified by the
+    group, like any c10d call: with dp=1 the tp group is also the token pool)."""
+    if plan.tp == 1:
+        return
+    a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, _micro_count(w, plan)
+    S, D, V = w.stream_tokens["decoder"], w.model_cfg.d_model, w.model_cfg.vocab_size
+    full, part = seqs * S * D * a, seqs * S * D * a / tp
+    dtensor, fwd_only, moe_layers = 0.0, 0.0, 0
+    for i in w.blocks_on(state, plan):
+        attn = part + full                       # gather the sequence, reduce-scatter wo
+        ffn = 0 if w.is_moe_block(i) else part + full
+        moe_layers += w.is_moe_block(i)
+        fwd_only += attn + ffn
+        dtensor += 2 * (attn + ffn)              # backward mirrors each
+    if state.first_stage:
+        dtensor += full                          # vocab-parallel embedding all-reduce
+        book("gather", "tp", part * m)           # the sequence split's backward
+    if state.last_stage:
+        dtensor += part + full + seqs * S * (V / tp) * a   # head input gather (+ bwd), logits
+    if plan.recompute == "full":
+        dtensor += fwd_only
+    dtensor = int(dtensor * m + state.replicated_tp_bytes)
+    out["tensor_parallel"] += dtensor
+    events.append(("tensor_parallel", "reduce_scatter_pair", "tp", tp, dtensor))
+    again = plan.recompute == "full"             # recomputation repeats the forward ones
+    book("a2a", "tp", (4 + 2 * again) * part * moe_layers * m)   # sequence <-> batch
+    book("reduce", "tp", 4 * (1 + again) * moe_layers * m)        # the MoE aux loss' tp mean

@@ -1,0 +1,97 @@
+"""Training FLOPs per step and rank, counted from the parameters of the real model.
+
+Forward FLOPs per token = 2 x (matmul weights it passes through) + attention:
+  matmul weights: every parameter with >= 2 dims outside embeddings (attention, dense FFN,
+  router, shared experts, output head; a tied head counts as the matmul it is); an expert
+  bank counts top_k / num_experts of its weights (each token visits K experts);
+  attention: 4 x key length x D per token per attention module (QK^T and AV, causal masks
+  not discounted), key length = the stream's tokens (cross-attention: the encoder's).
+Backward = 2 x forward; full recomputation adds one forward: 3x or 4x forward per step.
+Per rank: its pipeline stage's blocks (+ head on the last stage), its 1/dp of the batch,
+split over tp (heads, FFN columns, vocabulary, and whole sequences in MoE layers); the
+expert part of an expert-parallel rank is scaled by the stated routing imbalance (the
+busiest rank computes `imbalance` x the mean rows).
+"""
+import re
+from dataclasses import dataclass, field
+
+from ..expert import is_expert_param
+
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|h|layers|block)\.(\d+)\.")
+
+
+@dataclass
+class Unit:
+    """Forward cost per token of one block (or of what lies outside the blocks)."""
+    stream: str
+    dense_params: int = 0          # matmul weights every token passes through
+    expert_params: float = 0.0     # top_k/E of the expert banks' weights
+    attention_modules: int = 0
+    cross_attention: int = 0
+
+
+@dataclass
+class ModelCosts:
+    units: dict = field(default_factory=dict)   # (stream, block index or -1) -> Unit
+    d_model: int = 0
+
+
+def _stream(name: str) -> str:
+    return "encoder" if name.startswith("encoder.") or ".encoder." in name else "decoder"
+
+
+def model_costs(model, workload) -> ModelCosts:
+    """Per-block forward costs of the single-device meta model."""
+    top_k, E = (workload.moe_cfg.top_k, workload.moe_cfg.num_experts) if workload.has_moe() else (1, 1)
+    out = ModelCosts(d_model=workload.model_cfg.d_model)
+    for mname, mod in model.named_modules():
+        kind = type(mod).__name__
+        key = _key(mname + ".")
+        if "Attention" in kind and not any("Attention" in type(c).__name__ for c in mod.children()):
+            unit = out.units.setdefault(key, Unit(key[0]))
+            if "cross" in mname.lower() or "EncDecAttention" in mname:
+                unit.cross_attention += 1
+            else:
+                unit.attention_modules += 1
+        if "Embedding" in kind:
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() < 2:
+                continue
+            unit = out.units.setdefault(key, Unit(key[0]))
+            if is_expert_param(f"{mname}.{pname}"):
+                unit.expert_params += p.numel() * top_k / E
+            else:
+                unit.dense_params += p.numel()
+    return out
+
+
+def _key(name: str) -> tuple:
+    m = _BLOCK.search(name)
+    return (_stream(name), int(m.group(1)) if m else -1)
+
+
+def rank_flops(costs: ModelCosts, workload, plan, state) -> float:
+    """Training FLOPs this rank runs in one optimizer step."""
+    passes = 4 if plan.recompute == "full" else 3
+    seqs = workload.batch_size / plan.dp
+    enc = workload.stream_tokens.get("encoder", 0)
+    total = 0.0
+    for (stream, block), u in costs.units.items():
+        if not _on_rank(stream, block, state, plan):
+            continue
+        S = workload.stream_tokens.get(stream, 0)
+        tokens = seqs * S
+        expert = u.expert_params * (workload.imbalance if plan.ep > 1 else 1.0)
+        per_token = 2 * (u.dense_params + expert)
+        per_token += 4 * costs.d_model * (S * u.attention_modules + (enc or S) * u.cross_attention)
+        total += per_token * tokens
+    return passes * total / plan.tp
+
+
+def _on_rank(stream, block, state, plan) -> bool:
+    if plan.pp == 1:
+        return True
+    if block >= 0:
+        return block in state.block_ids
+    return state.last_stage  # the head (embeddings have no matmul)

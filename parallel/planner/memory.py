@@ -1,0 +1,166 @@
+"""Per-rank memory: model state by device (exact, from the rank's real tensors) and an
+activation model; the peak is the largest of three phases of a step.
+
+Model state (what ZeRO partitions; rank_state.py reads the local tensors):
+  params     the local parameter tensors (tp/ep/pp pieces; FSDP2 shards at zero 3)
+  grads      held after the reduction: zero 0/1 the full local gradients (ZeRO-1 keeps only
+             its slice after the step, it reduces them in full), zero 2 the slices, zero 3
+             the shards
+  optimizer  AdamW: 2 moments per stepped element + a 4-byte step per tensor, stepping
+             params (zero 0, 3) or fp32 master slices (zero 1, 2, which count here too);
+             Adafactor: a row and a column statistic per matrix, a full one otherwise
+The *_by_device functions are where host offload plugs in: each returns {device: bytes}
+(today everything on "gpu", the accelerator; the host is "cpu").
+
+Activations, per token of a micro-batch on this rank, in elements of the activation dtype
+(4 bytes fp32, 2 bytes bf16/fp16 autocast), from what the blocks save for backward:
+  attention block part   8 D  (norm in/out, q, k, v, rotated q/k, attention output)
+                         + 5 D per cross-attention
+  dense FFN              2 D + 2 F (3 F gated)
+  MoE FFN                2 D + 2 E fp32 (router logits/probs)
+                         + r K (3 D + 2 F_e (3 F_e gated))   dispatched rows
+  with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
+  recompute=full keeps D per block and rebuilds one block at a time in backward.
+  Sequence parallelism and MoE sequence splitting divide all of it by tp.
+  The last stage adds the loss: logits, their fp32 copy/log-softmax and gradient, 3 x 4
+  bytes per vocabulary entry per token (vocabulary gathered: not divided by tp).
+  Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
+Phases (each on top of params + optimizer state):
+  forward end     activations (+ zero 3: two gathered FSDP units, the next prefetched;
+                  + the gradients when earlier micro-batches of the step made them)
+  gradient sync   full gradients + the flat copy all_reduce_flat / reduce-scatter make of
+                  the largest bucket (zero 3: the largest unit's unsharded gradient)
+  optimizer step  held gradients + two temporaries of the largest parameter
+                  (zero 1/2: + the all-gathered rows of the largest bucket)
+"""
+from dataclasses import dataclass
+
+from .schedule import in_flight
+
+LOSS_BYTES_PER_LOGIT = 12   # logits, fp32 log-softmax, their gradient (fp32 runs)
+DEVICE = "gpu"
+
+
+def act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+# ---------------------------------------------------------------- model state, by device
+def param_bytes_by_device(state, plan) -> dict:
+    return {DEVICE: state.params.bytes}
+
+
+def grad_bytes_by_device(state, plan) -> dict:
+    if plan.zero == 2 and state.slices.count:
+        return {DEVICE: sum(b[4] for b in state.buckets)}
+    return {DEVICE: state.params.bytes}
+
+
+def optimizer_bytes_by_device(state, plan, optimizer: str = "adamw") -> dict:
+    sliced = plan.zero in (1, 2) and state.slices.count > 0
+    stepped = state.slices if sliced else state.params
+    master = stepped.bytes if sliced else 0
+    if optimizer == "adafactor":
+        moments = sum(_factored(s) for s in stepped.shapes) * 4
+    else:
+        moments = 2 * stepped.bytes
+    return {DEVICE: master + moments + 4 * stepped.count}
+
+
+def _factored(shape) -> int:
+    if len(shape) < 2:
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+    return lead * (shape[-2] + shape[-1])
+
+
+def model_state(state, plan, optimizer="adamw") -> dict:
+    return {"params": param_bytes_by_device(state, plan),
+            "grads": grad_bytes_by_device(state, plan),
+            "optimizer": optimizer_bytes_by_device(state, plan, optimizer)}
+
+
+# ---------------------------------------------------------------- activations
+def block_act_elems(w, i: int, stream: str, plan) -> float:
+    """Saved elements per token of block i (activation dtype; router fp32 in the MoE term)."""
+    m, a = w.model_cfg, act_bytes(plan.precision)
+    D = m.d_model
+    out = 8 * D + (5 * D if stream == "decoder" and "encoder" in w.stream_tokens else 0)
+    if w.is_moe_block(i):
+        moe = w.moe_cfg
+        r = w.imbalance if plan.ep > 1 else 1.0
+        if plan.ep > 1 and moe.capacity_factor:
+            r = min(r, moe.capacity_factor)
+        hidden = (3 if w.gated else 2) * w.expert_d_ff
+        out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * (3 * D + hidden)
+    else:
+        out += 2 * D + (3 if w.gated else 2) * m.d_ff
+    return out
+
+
+@dataclass
+class Activations:
+    per_microbatch: int     # one micro-batch through this rank's chunk(s)
+    in_flight: int          # micro-batch-chunks alive at once
+    loss: int               # the last stage's loss temporaries (one micro-batch)
+    total: int
+    microbatches: int       # forward+backward passes per step on this rank
+
+
+def micro_seqs(w, plan) -> float:
+    local = w.batch_size / plan.dp
+    if plan.pp > 1:
+        return local / plan.microbatches
+    return w.micro_batch_size or local
+
+
+def activations(w, plan, state, stage: int) -> Activations:
+    a, seqs = act_bytes(plan.precision), micro_seqs(w, plan)
+    per_block = {}
+    for stream, S in w.stream_tokens.items():
+        for i in w.blocks_on(state, plan):
+            tokens = seqs * S / plan.tp
+            full = block_act_elems(w, i, stream, plan) * tokens * a
+            kept = w.model_cfg.d_model * tokens * a if plan.recompute == "full" else full
+            per_block[(stream, i)] = (kept, full)
+    kept = sum(k for k, _ in per_block.values())
+    rebuild = max((f for _, f in per_block.values()), default=0) if plan.recompute == "full" else 0
+    chunks = plan.stages_per_rank
+    flight = in_flight(plan.pp_schedule, plan.pp, plan.microbatches, stage, chunks)
+    per_chunk = kept / chunks
+    loss = 0
+    if state.last_stage:
+        S_out = w.stream_tokens["decoder"]
+        loss = int(seqs * S_out * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
+    total = int(per_chunk * flight + rebuild + loss)
+    passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
+    return Activations(int(kept), flight, loss, total, passes)
+
+
+# ---------------------------------------------------------------- peak
+def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
+    """{"forward", "grad_sync", "optimizer_step", "peak"}: bytes alive in each phase."""
+    ms = model_state(state, plan, optimizer)
+    base = sum(ms["params"].values()) + sum(ms["optimizer"].values())
+    full_grads = state.params.bytes
+    held = sum(ms["grads"].values())
+    forward = base + acts.total
+    if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
+        forward += full_grads if plan.zero != 3 else held
+    if plan.zero == 3 and state.fsdp_units:
+        biggest = max(u[1] * u[2] for u in state.fsdp_units)
+        forward += 2 * biggest
+        sync = base + held + biggest
+    else:
+        flat = max((b[5] if plan.zero == 2 else b[3] for b in state.buckets), default=0)
+        sync = base + full_grads + flat
+    step = base + held + 2 * state.largest_param_bytes
+    if plan.zero in (1, 2) and state.slices.count:
+        step += max(b[3] for b in state.buckets)
+    return {"forward": int(forward), "grad_sync": int(sync), "optimizer_step": int(step),
+            "peak": int(max(forward, sync, step))}

@@ -1,0 +1,89 @@
+"""One layout's prediction: every pipeline stage's memory, communication and FLOPs (one
+representative rank per stage: tp/dp/ep peers hold the same amounts), bubble and step time."""
+import dataclasses
+from dataclasses import dataclass, field
+
+from .comm import step_comm
+from .flops import rank_flops
+from .memory import activations, model_state, peak_bytes
+from .rank_state import read_rank_state
+from .schedule import bubble_fraction
+from .step_time import comm_seconds, stage_seconds, wire_bytes
+
+
+@dataclass
+class StagePrediction:
+    rank: int
+    model_state: dict          # {"params"|"grads"|"optimizer": {device: bytes}}
+    activation_bytes: int      # what the schedule keeps alive (plus loss temporaries)
+    activation_per_microbatch: int
+    in_flight: int
+    memory: dict               # {"forward"|"grad_sync"|"optimizer_step"|"peak": bytes}
+    comm_bytes: dict           # {ledger kind: bytes per step} (payload, as the ledger counts)
+    wire_bytes: int            # what that puts on the wire (ring/pairwise algorithms)
+    flops: float
+    comm_s: dict
+    step_s: float
+
+
+@dataclass
+class Prediction:
+    plan: object
+    stages: list = field(default_factory=list)
+    bubble: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    peak_bytes: int = 0
+    fits: bool = True
+    reason: str = ""
+
+    def rank0(self) -> StagePrediction:
+        return self.stages[0]
+
+
+def stage_ranks(plan) -> list:
+    """One rank per pipeline stage: the (dp, tp) = (0, 0) rank of each pp rank."""
+    return [s * plan.dp * plan.tp for s in range(plan.pp)]
+
+
+class StateCache:
+    """read_rank_state results by what they depend on (not recompute, schedule order or
+    micro-batch count): parallelizing a meta model is the planner's slow part."""
+
+    def __init__(self, build_model):
+        self.build_model, self.states = build_model, {}
+
+    def get(self, plan, rank):
+        zero = 1 if plan.zero in (0, 1, 2) else 3
+        key = (plan.dp, plan.tp, plan.pp, plan.ep, zero, plan.stages_per_rank, rank)
+        if key not in self.states:
+            base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False)
+            self.states[key] = read_rank_state(self.build_model, base, rank)
+        return self.states[key]
+
+
+def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
+    """Predict a validated plan; raises what parallelize raises for a layout it cannot build."""
+    out = Prediction(plan, bubble=bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches,
+                                                   plan.stages_per_rank))
+    for stage, rank in enumerate(stage_ranks(plan)):
+        state = cache.get(plan, rank)
+        acts = activations(w, plan, state, stage)
+        comm, events = step_comm(w, plan, state)
+        flops = rank_flops(costs, w, plan, state)
+        comm_s = comm_seconds(events, plan, rank, hw)
+        out.stages.append(StagePrediction(
+            rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
+            acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
+            flops, comm_s,
+            stage_seconds(flops, comm_s, out.bubble, hw)))
+    out.step_s = max(s.step_s for s in out.stages)
+    tokens = w.batch_size * sum(w.stream_tokens.values())
+    out.tokens_per_s = tokens / out.step_s if out.step_s > 0 else float("inf")
+    out.peak_bytes = max(s.memory["peak"] for s in out.stages)
+    if out.peak_bytes > hw.gpu_mem_bytes:
+        worst = max(out.stages, key=lambda s: s.memory["peak"])
+        out.fits = False
+        out.reason = (f"peak {out.peak_bytes / 1e9:.2f} GB on rank {worst.rank} > "
+                      f"--gpu-mem {hw.gpu_mem_gb:g} GB")
+    return out

@@ -1,0 +1,172 @@
+"""What one rank holds under a layout, read from the real parallelization of a meta model.
+
+The planner does not re-derive the layout's sharding: it runs parallel.apply.parallelize on
+a model built on the meta device (no memory, no weights) inside a "fake" process group
+(torch's testing backend: every collective returns at once, nothing is sent), for the rank
+it asks about, and reads the local tensors it ends up with: parameters (tp/ep/pp/FSDP2
+pieces), ZeRO-1/2 slices, FSDP2 units and the reduction buckets' groups. So model-state
+bytes and the gradient-sync payloads are exact for every layout parallel/ can build.
+
+The fake group needs a process without its own process group (the planner CLI, a test,
+a notebook before init_process_group).
+"""
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..apply import parallelize
+from ..dtensors import local
+from ..mesh import build_meshes
+from ..plan import ParallelPlan
+
+__all__ = ["RankState", "Tensors", "read_rank_state", "group_dims", "fake_world"]
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world: int):
+    """A process group of `world` ranks in which this process is `rank`; nothing is sent."""
+    if dist.is_initialized():
+        raise RuntimeError("the layout planner runs parallelize() in a fake process group and "
+                           "needs a process without one; call it before init_process_group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+DIMS = ("pp", "dp", "tp", "edp", "ep", "pool")
+
+
+def group_dims(meshes) -> dict:
+    """{dim: (frozenset of the dims served by the same process group, group size)}: a group
+    serving several dims (DeviceMesh hands out the default group for a dim spanning the
+    whole world) counts as all of them, exactly as parallel/ledger.py's CommLedger sees it."""
+    names = {d: meshes.group(d).group_name for d in DIMS}
+    return {d: (frozenset(e for e in DIMS if names[e] == names[d]), meshes.size(d)) for d in DIMS}
+
+
+@dataclass
+class Tensors:
+    """Bytes of a set of tensors, and how many there are (per-tensor optimizer scalars)."""
+    bytes: int = 0
+    count: int = 0
+    shapes: list = field(default_factory=list)
+
+    def add(self, t: torch.Tensor) -> None:
+        self.bytes += t.numel() * t.element_size()
+        self.count += 1
+        self.shapes.append(tuple(t.shape))
+
+
+@dataclass
+class RankState:
+    plan: ParallelPlan
+    rank: int
+    params: Tensors                 # the local parameter tensors (tied weight once)
+    buckets: list                   # [(kind, dims, group size, local grad bytes, slice bytes, padded bytes)]
+                                    # (zero 0, 1 and 2 reduce the same buckets)
+    fsdp_units: list                # [(dims, group size, shard bytes, is_root)]
+    slices: Tensors                 # ZeRO-1/2 flat slices (the same for both stages; empty otherwise)
+    block_ids: list                 # transformer blocks on this rank
+    first_stage: bool
+    last_stage: bool
+    tied_pair: bool                 # a weight shared with the other end of the pipeline
+    tied_bytes: int
+    largest_param_bytes: int
+    replicated_tp_bytes: int        # tp-replicated DTensor params (norms): grads all-reduced over tp
+    groups: dict                    # group_dims(meshes)
+
+
+def read_rank_state(build_model, plan: ParallelPlan, rank: int) -> RankState:
+    """Parallelize a fresh meta model (`build_model()`) for `rank` of a validated plan.
+    ZeRO 0, 1 and 2 hold the same tensors apart from the slices, so a plan with zero 1
+    answers for all three (the caller picks what its stage uses)."""
+    if plan.world == 1:
+        return _read(parallelize(build_model(), plan, None, loss_fn=_no_loss), plan, rank)
+    with fake_world(rank, plan.world):
+        par = parallelize(build_model(), plan, build_meshes(plan, "cpu"), loss_fn=_no_loss)
+        return _read(par, plan, rank)
+
+
+def _no_loss(logits, targets):
+    return logits.sum()
+
+
+def _read(par, plan, rank) -> RankState:
+    model, params = par.model, Tensors()
+    for p in model.parameters():
+        params.add(local(p))
+    groups = group_dims(par.meshes) if par.meshes is not None else {}
+    slices = Tensors()
+    if par.zero is not None:
+        for s in par.zero.shard_of.values():
+            slices.add(s)
+    blocks = list(getattr(model, "blocks", []) or [])
+    names = [n for n, _ in getattr(model, "blocks", {}).named_children()] if blocks else []
+    first = getattr(model, "tok_emb", 1) is not None
+    last = getattr(model, "lm_head", 1) is not None
+    tied = par.tied is not None and par.tied.group is not None
+    return RankState(plan, rank, params, _buckets(par, groups),
+                     _fsdp_units(model, groups) if plan.zero == 3 and plan.world > 1 else [],
+                     slices, [int(n) for n in names], first, last, tied,
+                     _nbytes(local(par.tied.param)) if tied else 0,
+                     max((_nbytes(local(p)) for p in model.parameters()), default=0),
+                     _replicated_tp(model), groups)
+
+
+def _replicated_tp(model) -> int:
+    from torch.distributed.tensor import DTensor, Replicate
+    total = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) and \
+                all(isinstance(pl, Replicate) for pl in p.placements):
+            total += _nbytes(local(p))
+    return total
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+_BUCKET_DIM = {"dense": "dp", "pool": "pool", "expert": "edp"}
+
+
+def _buckets(par, groups) -> list:
+    """The gradient-reduction buckets of zero 0/1/2 (grad_sync.reduction_buckets' grouping):
+    [(kind, dims, group size, full grad bytes, slice bytes, padded full bytes)]; the slice
+    columns are ZeRO-1/2's (zero.ZeroState is built from the same buckets, in order)."""
+    if par.grad_sync is None:
+        return []
+    slices = par.zero.slices if par.zero is not None else [None] * len(par.grad_sync.buckets)
+    out = []
+    for (kind, _group, _div, params), sl in zip(par.grad_sync.buckets, slices):
+        dims, size = groups[_BUCKET_DIM[kind]]
+        full = sum(_nbytes(local(p)) for p in params)
+        elem = local(params[0]).element_size()
+        mine = sum(sl.L) * elem if sl is not None else 0
+        out.append((kind, dims, size, full, mine, mine * size))
+    return out
+
+
+def _fsdp_units(model, groups) -> list:
+    """[(dims, size, shard bytes, is_root)] of every fully_shard module, own params only."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    owner = {}
+    for m in units:  # modules() is pre-order: a deeper unit overwrites its ancestor
+        for p in m.parameters():
+            owner[id(p)] = m
+    out = []
+    for m in units:
+        own = [p for p in m.parameters() if owner[id(p)] is m]
+        if not own:
+            continue
+        mesh = own[0].device_mesh
+        dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "dp"
+        dims, size = groups.get(dim, (frozenset({dim}), mesh.size()))
+        out.append((dims, size, sum(_nbytes(local(p)) for p in own), m is model))
+    return out

@@ -1,0 +1,62 @@
+"""Step time from FLOPs and bandwidths (no overlap of communication with compute).
+
+  t_compute  = rank FLOPs / (--flops, the achievable dense TFLOP/s of one GPU)
+  t_x        = wire bytes of collective x / bandwidth of its group, where a group within one
+               node (--gpus-per-node consecutive ranks) uses --intra-bw and any other
+               --inter-bw (GB/s per GPU); wire bytes from the ledger payload of a ring/
+               pairwise algorithm on P ranks: all-reduce 2(P-1)/P x, all-gather (P-1) x
+               (payload = the shard), reduce-scatter and all-to-all (P-1)/P x, send 1 x,
+               tensor-parallel DTensor traffic 1 x
+  per stage  = (t_compute + t_tensor_parallel + t_expert_all_to_all + t_pipeline)
+               / (1 - bubble) + t_gradient_sync (dp/ZeRO/FSDP, tied embedding, other)
+  step time  = the slowest pipeline stage; throughput = global tokens / step time
+The micro-batch work is stretched by the pipeline bubble; the data-parallel reductions run
+once per step after it. Real systems overlap some communication: this is an upper bound on
+time for a given FLOP rate, meant for ranking layouts, not a measurement.
+"""
+from dataclasses import dataclass
+
+from ..mesh import rank_groups
+
+INSIDE_STEP = {"tensor_parallel", "expert_all_to_all", "pipeline"}
+_WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
+         "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_mem_gb: float = 80.0        # memory per GPU (GB = 1e9 bytes)
+    gpus_per_node: int = 8
+    intra_bw_gbs: float = 150.0     # per-GPU bandwidth inside a node (GB/s)
+    inter_bw_gbs: float = 25.0      # per-GPU bandwidth between nodes (GB/s)
+    tflops: float = 150.0           # achievable dense TFLOP/s per GPU
+
+    @property
+    def gpu_mem_bytes(self) -> float:
+        return self.gpu_mem_gb * 1e9
+
+
+def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware) -> float:
+    ranks = next((g for g in groups.get(dim, [[rank]]) if rank in g), [rank])
+    inside = len({r // hw.gpus_per_node for r in ranks}) == 1
+    return (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
+
+
+def wire_bytes(events) -> int:
+    """Bytes a rank puts on the wire for its events (the algorithm factors above)."""
+    return int(sum(n * _WIRE.get(c, lambda P: 1.0)(size) for _, c, _, size, n in events))
+
+
+def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
+    """{kind: seconds} of this rank's events."""
+    out, groups = {}, rank_groups(plan) if events else {}
+    for kind, collective, dim, size, nbytes in events:
+        wire = nbytes * _WIRE.get(collective, lambda P: 1.0)(size)
+        out[kind] = out.get(kind, 0.0) + wire / _bandwidth(groups, rank, dim, hw)
+    return out
+
+
+def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware) -> float:
+    inside = flops / (hw.tflops * 1e12) + sum(v for k, v in comm_s.items() if k in INSIDE_STEP)
+    after = sum(v for k, v in comm_s.items() if k not in INSIDE_STEP)
+    return inside / (1.0 - bubble) + after

@@ -1,0 +1,48 @@
+"""What is being trained, independent of the layout: the model (built on meta), the batch,
+the token streams, the optimizer and the routing assumption for dropless MoE layers.
+
+Shapes: B global batch in sequences, S tokens per sequence of a stream, D model dim,
+F ffn dim, E experts, K top-k, V vocabulary.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+from moe.experts import ACTIVATIONS
+
+
+@dataclass(frozen=True)
+class Workload:
+    build_model: Callable          # () -> the whole single-device model on the meta device
+    model_cfg: object              # models.config.ModelConfig
+    moe_cfg: object                # models.config.MoEConfig
+    batch_size: int                # global sequences per optimizer step (train.batch_size)
+    stream_tokens: dict            # {"decoder": S} (gpt) or {"encoder": S_in, "decoder": S_out}
+    micro_batch_size: int = 0      # sequences per forward without pipeline (0 = whole per-rank batch)
+    optimizer: str = "adamw"       # adamw | adafactor
+    imbalance: float = 1.0         # dropless MoE: rows the busiest expert-parallel rank receives / mean
+    check: Callable = None         # plan -> validated plan, raising ValueError (default: ParallelPlan.validate)
+
+    @property
+    def gated(self) -> bool:
+        return ACTIVATIONS.get(self.model_cfg.activation, (None, False))[1]
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_cfg.d_ff or self.model_cfg.d_ff
+
+    def has_moe(self) -> bool:
+        return self.moe_cfg is not None and self.moe_cfg.every > 0 and self.moe_cfg.num_experts > 0
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.has_moe() and self.moe_cfg.is_moe_block(i)
+
+    def blocks_on(self, state, plan) -> list:
+        """Block indices (per stack) this rank runs: its pipeline stage's, or all of them."""
+        return list(state.block_ids) if plan.pp > 1 else list(range(self.model_cfg.n_layers))
+
+    def validate(self, plan, world: int):
+        """The plan resolved for `world` (dp, microbatches), or ValueError naming the field."""
+        if self.check is not None:
+            return self.check(plan, world)
+        return plan.validate(world, self.model_cfg, self.moe_cfg, self.batch_size,
+                             self.stream_tokens.get("decoder"))

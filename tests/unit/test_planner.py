@@ -1,0 +1,70 @@
+"""The layout planner's command line on every shipped config, and its small invariants.
+(Predictions against measured runs: tests/e2e/test_planner_validation.py.)"""
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from parallel.ledger import KINDS
+from parallel.planner.__main__ import main
+from parallel.planner.schedule import bubble_fraction, in_flight
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_cli_json_on_every_config(config, capsys):
+    # zero 0 only keeps it quick (fewer meta parallelizations); test_text_output runs all
+    assert main(["--config", str(config), "--world", "8", "--zero", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world"] == 8
+    assert out["fits"] or out["too_big"], "no layout of world 8 was predicted"
+    steps = [p["step_s"] for p in out["fits"]]
+    assert steps == sorted(steps)
+    for p in out["fits"] + out["too_big"]:
+        lay = p["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] == 8
+        assert (p["peak_bytes"] <= 80e9) == p["fits"]
+        assert len(p["ranks"]) == lay["pp"]
+        for r in p["ranks"]:
+            assert set(r["comm_bytes"]) <= set(KINDS)
+            assert r["model_state_bytes"]["params"]["gpu"] > 0
+    for bad in out["invalid"]:
+        assert bad["reason"]
+
+
+def test_text_output_names_refusals(capsys):
+    cfg = ROOT / "configs" / "default.toml"
+    assert main(["--config", str(cfg), "--world", "8", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "fits (fastest first):" in text
+    # validate's own message for tp=8 with 4 heads, and a layout parallelize cannot build
+    assert "model.n_heads=4 is not divisible by parallel.tp=8" in text
+    assert "parallelize: expert parallelism: the model has no MoELayer" in text
+
+
+def test_bad_override_is_reported(capsys):
+    assert main(["--world", "2", "model.d_modle=3"]) == 2
+    assert "did you mean 'model.d_model'" in capsys.readouterr().err
+
+
+def test_bubble_and_in_flight():
+    assert bubble_fraction("1f1b", 1, 8) == 0.0
+    assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8) == 3 / 11
+    assert bubble_fraction("interleaved_1f1b", 4, 8, chunks=2) == 3 / 19
+    assert in_flight("gpipe", 4, 8, stage=0) == 8
+    assert [in_flight("1f1b", 4, 8, stage=s) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 2, stage=0) == 2
+
+
+def test_planner_library_does_not_import_trainer():
+    """Layering: only the command-line entry point (__main__.py) reads trainer's config."""
+    for path in (ROOT / "parallel" / "planner").glob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("trainer", "train") for n in names), path

@@ -1,0 +1,122 @@
+"""Peak memory of one training step, measured the same way on CPU and CUDA.
+
+CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (the caching
+allocator's own count of live tensor bytes).
+CPU has no allocator statistics, so a TorchDispatchMode counts them: every tensor an op
+returns during the step adds its storage's bytes once (storages are keyed by data pointer;
+views and in-place results add nothing), and a weakref finalizer on each tensor holding a
+reference takes the bytes off when the last of them dies. The peak is the largest live total
+plus `baseline_bytes`, the tensors alive before the step (parameters, optimizer state and
+ZeRO slices, from parallel.ledger.model_state_bytes). Not seen: buffers inside libraries
+(gloo, MKL workspaces) and storages freed outside Python references' lifetimes, so it is
+the bytes of live PyTorch tensors, like the CUDA number. The hook costs Python work per op,
+so the training loop runs it on one step only: the second (the first that starts with
+optimizer state, i.e. the steady state; log.peak_mem).
+"""
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _LiveBytes:
+    def __init__(self):
+        self.live, self.peak = 0, 0
+        self.storages = {}  # data_ptr -> [bytes, tensors alive that hold it]
+
+    def add(self, t: torch.Tensor, aliases_input: bool) -> None:
+        """Count `t` as a holder of its storage; a storage not seen before is new bytes,
+        unless `t` aliases an op input (a view or in-place result of a tensor from before)."""
+        if t.device.type == "meta":
+            return
+        key, nbytes = _storage_key(t)
+        if key is None:
+            return
+        entry = self.storages.get(key)
+        if entry is None:
+            if aliases_input:
+                return
+            entry = self.storages[key] = [nbytes, 0]
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(t, self._drop, key)
+
+    def _drop(self, key) -> None:
+        entry = self.storages.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.storages[key]
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, counter: _LiveBytes):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self.counter.add(t, _aliases_input(t, args))
+        return out
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def _storage_key(t):
+    """((device type, data pointer), bytes) of t's storage; (None, 0) for tensors without
+    one of their own (wrapper subclasses such as DTensor or async collective results)."""
+    try:
+        storage = t.untyped_storage()
+        return (t.device.type, storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None, 0
+
+
+def _aliases_input(t, args) -> bool:
+    """In-place ops and views return an input's storage: nothing new was allocated."""
+    key, _ = _storage_key(t)
+    if key is None:
+        return True
+    return any(_storage_key(a)[0] == key for a in _tensors(list(args)))
+
+
+class PeakMemory:
+    """`with PeakMemory(device, baseline_bytes) as pm: <one step>` then `pm.peak_bytes`."""
+
+    def __init__(self, device: torch.device, baseline_bytes: int):
+        self.device, self.baseline = device, baseline_bytes
+        self.peak_bytes = None
+
+    @contextlib.contextmanager
+    def _cuda(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        torch.cuda.synchronize(self.device)
+        self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+    @contextlib.contextmanager
+    def _cpu(self):
+        counter = _LiveBytes()
+        with _Tracker(counter):
+            yield
+        self.peak_bytes = int(self.baseline + counter.peak)
+
+    def __enter__(self):
+        self._ctx = self._cuda() if self.device.type == "cuda" else self._cpu()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
