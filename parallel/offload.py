@@ -81,8 +81,9 @@ class HostMasters:
     stage, host = 3, True
 
     def __init__(self, model: torch.nn.Module):
-        """Allocates the masters; refresh_from_params fills them (parallelize calls it after
-        the weights are initialised: the model may still be on the meta device here)."""
+        """Masters shaped like the local shards; refresh_from_params fills them (parallelize
+        calls it after the weights are initialised: the model may still be on the meta device
+        here, and then the masters are allocated there)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shard_of = {id(p): torch.nn.Parameter(_like(host_empty_like(local(p)), p)) for p in self.params}
 
@@ -99,8 +100,12 @@ class HostMasters:
                 local(p).copy_(local(self.shard_of[id(p)]), non_blocking=pinning())
 
     def refresh_from_params(self) -> None:
+        """Copy the parameters into the masters (allocating them on the host first if they
+        were made while the model was still on the meta device)."""
         with torch.no_grad():
             for p in self.params:
+                if local(self.shard_of[id(p)]).is_meta and not local(p).is_meta:
+                    self.shard_of[id(p)] = torch.nn.Parameter(_like(host_empty_like(local(p)), p))
                 local(self.shard_of[id(p)]).copy_(local(p))
 
     def model_param_of(self) -> dict:

@@ -45,11 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--intra-bw", type=float, default=hw.intra_bw_gbs, help="per-GPU bandwidth inside a node, GB/s (default %(default)s)")
     ap.add_argument("--inter-bw", type=float, default=hw.inter_bw_gbs, help="per-GPU bandwidth between nodes, GB/s (default %(default)s)")
     ap.add_argument("--flops", type=float, default=hw.tflops, help="achievable dense TFLOP/s per GPU (default %(default)s)")
+    ap.add_argument("--host-bw", type=float, default=hw.host_bw_gbs, help="host<->GPU copy bandwidth for offload, GB/s (default %(default)s)")
     ap.add_argument("--imbalance", type=float, default=1.0,
                     help="dropless MoE: rows the busiest expert-parallel rank receives / the mean "
                          "(default %(default)s = balanced; with a capacity factor it is capped by it)")
     ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
                     help="ZeRO stages to consider (default all)")
+    ap.add_argument("--offload", nargs="+", default=["none", "optimizer", "params"],
+                    choices=["none", "optimizer", "params"],
+                    help="parallel.offload modes to consider (default all)")
+    ap.add_argument("--zeropp", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="ZeRO++ to consider: on = qwZ+qgZ (ZeRO-3) / qgZ (ZeRO-2), and hpZ over "
+                         "one node's dp ranks under ZeRO-3 (default both)")
     ap.add_argument("--top", type=int, default=10, help="rows per table in the text output (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="print every layout as JSON instead of tables")
     return ap
@@ -100,11 +107,13 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    hw = Hardware(args.gpu_mem, args.gpus_per_node, args.intra_bw, args.inter_bw, args.flops)
+    hw = Hardware(args.gpu_mem, args.gpus_per_node, args.intra_bw, args.inter_bw, args.flops,
+                  args.host_bw)
     w = workload_from_config(cfg, args.imbalance)
     costs = model_costs(w.build_model(), w)
     result = plan_all(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model),
-                      zeros=tuple(args.zero))
+                      zeros=tuple(args.zero), offloads=tuple(args.offload),
+                      zeropp=tuple(z == "on" for z in args.zeropp), gpus_per_node=args.gpus_per_node)
     if args.json:
         print(json.dumps(as_json(result, args.world, hw), indent=1))
     else:

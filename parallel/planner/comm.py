@@ -9,7 +9,12 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     zero 0/1 all-reduce of the full local gradients; zero 2 reduce-scatter of them padded
     to P equal slices; zero 1/2 all-gather of the updated slices
   zero 3 (FSDP2): per unit, all-gather of its shard in every micro-batch's forward and again
-    in backward (the root once: it stays gathered), one reduce-scatter of the padded grads
+    in backward (the root once: it stays gathered), one reduce-scatter of the padded grads;
+    hpZ units gather again in backward over their node's zeropp_hpz ranks from the
+    secondary shard (unit bytes / hpz; the root too, it reshards to the node after forward)
+  ZeRO++ (parallel/zeropp.py): qwZ gathers and qgZ reduce-scatters send int8 blocks of 256
+    plus an fp32 scale each: ceil(n / 256) x 260 bytes for n fp32 values (per chunk of the
+    reduce-scatter, which is an all-to-all of P such chunks); offload moves no bytes here
   tied embedding (pp > 1): all-reduce of the held gradient of the shared weight
   pipeline: per micro-batch the activation [b, S, D] forward (not from the last stage)
     and its gradient back (not from the first); plus 8 bytes of loss sums over pp
@@ -47,7 +52,7 @@ def step_comm(w, plan, state) -> tuple:
 
     _grad_sync(plan, state, book)
     if plan.zero == 3:
-        _fsdp(_micro_count(w, plan), state, out, events)
+        _fsdp(micro_count(w, plan), plan, state, out, events)
     if state.tied_pair:
         tied = state.tied_bytes if plan.zero != 2 else _tied_slice(state)
         out["tied_embedding"] += tied
@@ -59,28 +64,41 @@ def step_comm(w, plan, state) -> tuple:
     return {k: out[k] for k in KINDS if out[k]}, events
 
 
+QUANT_BLOCK, QUANT_BLOCK_BYTES = 256, 256 + 4   # int8 values + one fp32 scale
+
+
+def quantized_bytes(fp32_bytes: int) -> int:
+    """What zeropp.quantize sends for a flat fp32 tensor of that many bytes."""
+    return -(-(fp32_bytes // 4) // QUANT_BLOCK) * QUANT_BLOCK_BYTES
+
+
 def _grad_sync(plan, state, book) -> None:
     dim_of = {"dense": "dp", "pool": "pool", "expert": "edp"}
-    for kind, _dims, _size, full, mine, padded in state.buckets:
+    for kind, _dims, size, full, mine, padded in state.buckets:
         dim = dim_of[kind]
         if plan.zero == 2:
-            book("scatter", dim, padded)
+            book("scatter", dim, size * quantized_bytes(mine) if plan.zeropp_quantize_grads else padded)
         else:
             book("reduce", dim, full)
         if plan.zero in (1, 2):
             book("gather", dim, mine)
 
 
-def _fsdp(m: int, state, out, events) -> None:
+def _fsdp(m: int, plan, state, out, events) -> None:
     """m micro-batches: each gathers the units again; the gradients are reduced once."""
-    for dims, size, shard, is_root in state.fsdp_units:
+    qw = quantized_bytes if plan.zeropp_quantize_weights else (lambda n: n)
+    for dims, size, shard, is_root, hpz in state.fsdp_units:
         if size <= 1:
             continue
-        for collective, nbytes in (("gather", shard * m * (1 if is_root else 2)),
-                                   ("scatter", shard * size)):
+        dim = sorted(dims)[0]
+        backward = [] if is_root and not hpz else \
+            [("gather", "hpz", hpz, qw(shard * size // hpz) * m)] if hpz else [("gather", dim, size, qw(shard) * m)]
+        scatter = size * quantized_bytes(shard) if plan.zeropp_quantize_grads else shard * size
+        for collective, on, n, nbytes in [("gather", dim, size, qw(shard) * m), *backward,
+                                          ("scatter", dim, size, scatter)]:
             kind = classify(collective, set(dims))
             out[kind] += nbytes
-            events.append((kind, collective, sorted(dims)[0], size, nbytes))
+            events.append((kind, collective, on, n, nbytes))
 
 
 def _tied_slice(state) -> int:
@@ -101,7 +119,7 @@ def _pipeline(w, plan, state, book) -> None:
     book("reduce", "pp", 8)
 
 
-def _micro_count(w, plan) -> int:
+def micro_count(w, plan) -> int:
     if plan.pp > 1:
         return plan.microbatches
     local = w.batch_size // plan.dp
@@ -124,7 +142,7 @@ def _experts(w, plan, state, book) -> None:
         rows += n * (3 if again else 2) * (own + r * own)
     row_bytes = w.model_cfg.d_model * 4
     table = moe.num_experts * 8 * len(moe_blocks) * len(w.stream_tokens) * (2 if again else 1)
-    book("a2a", "ep", (rows * row_bytes + table) * _micro_count(w, plan))
+    book("a2a", "ep", (rows * row_bytes + table) * micro_count(w, plan))
 
 
 def _tensor(w, plan, state, book, out, events) -> None:
@@ -133,7 +151,7 @@ def _tensor(w, plan, state, book, out, events) -> None:
     group, like any c10d call: with dp=1 the tp group is also the token pool)."""
     if plan.tp == 1:
         return
-    a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, _micro_count(w, plan)
+    a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, micro_count(w, plan)
     S, D, V = w.stream_tokens["decoder"], w.model_cfg.d_model, w.model_cfg.vocab_size
     full, part = seqs * S * D * a, seqs * S * D * a / tp
     dtensor, fwd_only, moe_layers = 0.0, 0.0, 0

@@ -2,8 +2,10 @@
 
 The candidate degrees are all factorizations world = dp * tp * pp, every ep dividing dp*tp,
 ZeRO 0-3, recompute none/full and, with pp > 1, each schedule with micro-batch counts
-pp, 2pp, 4pp and 8pp; validate decides which of them are layouts (it alone knows the rules).
-Precision and compile come from the base plan unchanged.
+pp, 2pp, 4pp and 8pp; and the ZeRO family: offload none/optimizer/params, ZeRO++ off/on
+(on = qwZ + qgZ under ZeRO-3, qgZ under ZeRO-2) and, under ZeRO-3, hpZ off or with the dp
+ranks of one node (gpus_per_node / tp). validate decides which of them are layouts (it
+alone knows the rules). Precision and compile come from the base plan unchanged.
 """
 import dataclasses
 
@@ -19,7 +21,12 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")) -> list:
+OFFLOADS = ("none", "optimizer", "params")
+ZEROPP = (False, True)
+
+
+def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full"),
+               offloads=OFFLOADS, zeropp=ZEROPP, gpus_per_node: int = 8) -> list:
     out = []
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
@@ -28,13 +35,36 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
             mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
             for ep in _divisors(dp * tp):
                 for zero in zeros:
-                    for rc in recomputes:
-                        for sched in schedules:
-                            for mb in mbs:
-                                out.append(dataclasses.replace(
-                                    base, dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, recompute=rc,
-                                    pp_schedule=sched, microbatches=mb, pp_stages_per_rank=0))
+                    for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
+                        for rc in recomputes:
+                            for sched in schedules:
+                                for mb in mbs:
+                                    out.append(dataclasses.replace(
+                                        base, dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, recompute=rc,
+                                        pp_schedule=sched, microbatches=mb, pp_stages_per_rank=0,
+                                        **family))
     return out
+
+
+def _zero_family(zero: int, dp: int, tp: int, offloads, zeropp, gpus_per_node: int) -> list:
+    """The offload / ZeRO++ settings worth trying at a ZeRO stage (validate refuses the
+    rest, e.g. offload with zero 0, so those are listed as refused, not silently skipped).
+    zeropp False: none of it; True: each of quantization (qwZ+qgZ, or qgZ at ZeRO-2) and
+    hpZ over one node's dp ranks, alone and together, where the stage has it."""
+    node_dp = max(1, gpus_per_node // tp)
+    hpz = node_dp if zero == 3 and dp > node_dp and dp % node_dp == 0 else 0
+    combos = set()
+    for on in zeropp:
+        if not on:
+            combos.add((False, 0))
+            continue
+        if zero >= 2:
+            combos.add((True, 0))
+        if hpz:
+            combos.update({(False, hpz), (True, hpz)})
+    return [dict(offload=offload, zeropp_quantize_weights=quant and zero == 3,
+                 zeropp_quantize_grads=quant, zeropp_hpz=h)
+            for offload in offloads for quant, h in sorted(combos)]
 
 
 def layouts(w, base, world: int, **kw) -> tuple:

@@ -9,8 +9,11 @@ Model state (what ZeRO partitions; rank_state.py reads the local tensors):
   optimizer  AdamW: 2 moments per stepped element + a 4-byte step per tensor, stepping
              params (zero 0, 3) or fp32 master slices (zero 1, 2, which count here too);
              Adafactor: a row and a column statistic per matrix, a full one otherwise
-The *_by_device functions are where host offload plugs in: each returns {device: bytes}
-(today everything on "gpu", the accelerator; the host is "cpu").
+The *_by_device functions return {device: bytes}: "gpu" the accelerator, "cpu" the host.
+parallel.offload moves: optimizer -> the optimizer state and its fp32 masters (ZeRO-1/2's
+slices; under ZeRO-3 a host copy of every shard) to "cpu", and the held gradients with them
+(ZeRO-2's slices; ZeRO-3's shards after the step); params (ZeRO-3) -> parameters, gradients
+and optimizer state to "cpu" (FSDP2's CPUOffloadPolicy). The peak counts "gpu" bytes only.
 
 Activations, per token of a micro-batch on this rank, in elements of the activation dtype
 (4 bytes fp32, 2 bytes bf16/fp16 autocast), from what the blocks save for backward:
@@ -46,25 +49,31 @@ def act_bytes(precision: str) -> int:
 
 
 # ---------------------------------------------------------------- model state, by device
+HOST = "cpu"
+
+
 def param_bytes_by_device(state, plan) -> dict:
-    return {DEVICE: state.params.bytes}
+    return {HOST if plan.offload == "params" else DEVICE: state.params.bytes}
 
 
 def grad_bytes_by_device(state, plan) -> dict:
     if plan.zero == 2 and state.slices.count:
-        return {DEVICE: sum(b[4] for b in state.buckets)}
-    return {DEVICE: state.params.bytes}
+        held = sum(b[4] for b in state.buckets)
+    else:
+        held = state.params.bytes
+    on_host = plan.offload == "params" or (plan.offload == "optimizer" and plan.zero in (2, 3))
+    return {HOST if on_host else DEVICE: held}
 
 
 def optimizer_bytes_by_device(state, plan, optimizer: str = "adamw") -> dict:
     sliced = plan.zero in (1, 2) and state.slices.count > 0
     stepped = state.slices if sliced else state.params
-    master = stepped.bytes if sliced else 0
+    master = stepped.bytes if sliced or (plan.zero == 3 and plan.offload == "optimizer") else 0
     if optimizer == "adafactor":
         moments = sum(_factored(s) for s in stepped.shapes) * 4
     else:
         moments = 2 * stepped.bytes
-    return {DEVICE: master + moments + 4 * stepped.count}
+    return {HOST if plan.offload != "none" else DEVICE: master + moments + 4 * stepped.count}
 
 
 def _factored(shape) -> int:
@@ -142,14 +151,20 @@ def activations(w, plan, state, stage: int) -> Activations:
     return Activations(int(kept), flight, loss, total, passes)
 
 
+def hpz_held_bytes(state) -> int:
+    """ZeRO++ hpZ: between forward and backward every hpZ unit keeps its secondary shard
+    (unit bytes / zeropp_hpz) instead of freeing its parameters."""
+    return sum(shard * size // hpz for _, size, shard, _, hpz in state.fsdp_units if hpz)
+
+
 # ---------------------------------------------------------------- peak
 def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     """{"forward", "grad_sync", "optimizer_step", "peak"}: bytes alive in each phase."""
     ms = model_state(state, plan, optimizer)
-    base = sum(ms["params"].values()) + sum(ms["optimizer"].values())
+    base = ms["params"].get(DEVICE, 0) + ms["optimizer"].get(DEVICE, 0)
     full_grads = state.params.bytes
-    held = sum(ms["grads"].values())
-    forward = base + acts.total
+    held = sum(ms["grads"].values())  # produced on the device before any move to the host
+    forward = base + acts.total + hpz_held_bytes(state)
     if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
         forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:
@@ -159,7 +174,7 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     else:
         flat = max((b[5] if plan.zero == 2 else b[3] for b in state.buckets), default=0)
         sync = base + full_grads + flat
-    step = base + held + 2 * state.largest_param_bytes
+    step = base + ms["grads"].get(DEVICE, 0) + (2 * state.largest_param_bytes if plan.offload == "none" else 0)
     if plan.zero in (1, 2) and state.slices.count:
         step += max(b[3] for b in state.buckets)
     return {"forward": int(forward), "grad_sync": int(sync), "optimizer_step": int(step),

@@ -8,7 +8,8 @@ from .flops import rank_flops
 from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state
 from .schedule import bubble_fraction
-from .step_time import comm_seconds, stage_seconds, wire_bytes
+from .comm import micro_count
+from .step_time import comm_seconds, host_seconds, stage_seconds, wire_bytes
 
 
 @dataclass
@@ -55,9 +56,12 @@ class StateCache:
 
     def get(self, plan, rank):
         zero = 1 if plan.zero in (0, 1, 2) else 3
-        key = (plan.dp, plan.tp, plan.pp, plan.ep, zero, plan.stages_per_rank, rank)
+        hpz = plan.zeropp_hpz  # splits FSDP2 units; offload and quantization are formulas
+        key = (plan.dp, plan.tp, plan.pp, plan.ep, zero, plan.stages_per_rank, hpz, rank)
         if key not in self.states:
-            base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False)
+            base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
+                                       offload="none", zeropp_quantize_weights=False,
+                                       zeropp_quantize_grads=False, zeropp_hpz=hpz)
             self.states[key] = read_rank_state(self.build_model, base, rank)
         return self.states[key]
 
@@ -72,6 +76,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         comm, events = step_comm(w, plan, state)
         flops = rank_flops(costs, w, plan, state)
         comm_s = comm_seconds(events, plan, rank, hw)
+        if plan.offload != "none":
+            comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),

@@ -69,7 +69,7 @@ class RankState:
     params: Tensors                 # the local parameter tensors (tied weight once)
     buckets: list                   # [(kind, dims, group size, local grad bytes, slice bytes, padded bytes)]
                                     # (zero 0, 1 and 2 reduce the same buckets)
-    fsdp_units: list                # [(dims, group size, shard bytes, is_root)]
+    fsdp_units: list                # [(dims, group size, shard bytes, is_root, hpZ group size or 0)]
     slices: Tensors                 # ZeRO-1/2 flat slices (the same for both stages; empty otherwise)
     block_ids: list                 # transformer blocks on this rank
     first_stage: bool
@@ -153,7 +153,9 @@ def _buckets(par, groups) -> list:
 
 
 def _fsdp_units(model, groups) -> list:
-    """[(dims, size, shard bytes, is_root)] of every fully_shard module, own params only."""
+    """[(dims, size, shard bytes, is_root, hpz)] of every fully_shard module, own params only;
+    hpz: the size of the secondary (post-forward) shard group FSDP2 set up for ZeRO++ hpZ,
+    0 when the unit frees its parameters after forward (read from FSDP2's own state)."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     owner = {}
@@ -168,5 +170,14 @@ def _fsdp_units(model, groups) -> list:
         mesh = own[0].device_mesh
         dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "dp"
         dims, size = groups.get(dim, (frozenset({dim}), mesh.size()))
-        out.append((dims, size, sum(_nbytes(local(p)) for p in own), m is model))
+        out.append((dims, size, sum(_nbytes(local(p)) for p in own), m is model, _hpz_size(m)))
     return out
+
+
+def _hpz_size(module) -> int:
+    groups = module._get_fsdp_state()._fsdp_param_groups  # FSDP2 internals: no public reader
+    if not groups:
+        return 0
+    after, shard = groups[0].post_forward_mesh_info, groups[0].mesh_info.shard_mesh_size
+    # None: kept whole (the root); the unit's own mesh: freed; a smaller mesh: hpZ
+    return after.shard_mesh_size if after is not None and after.shard_mesh_size < shard else 0

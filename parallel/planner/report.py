@@ -14,6 +14,14 @@ def layout_name(plan) -> str:
     parts = [f"dp{plan.dp}", f"tp{plan.tp}", f"pp{plan.pp}", f"ep{plan.ep}", f"z{plan.zero}"]
     if plan.recompute != "none":
         parts.append("rc")
+    if plan.offload != "none":
+        parts.append(f"off={plan.offload[:3]}")
+    quant = "+".join(n for n, on in (("qwZ", plan.zeropp_quantize_weights),
+                                     ("qgZ", plan.zeropp_quantize_grads)) if on)
+    if quant:
+        parts.append(quant)
+    if plan.zeropp_hpz:
+        parts.append(f"hpZ{plan.zeropp_hpz}")
     if plan.pp > 1:
         parts.append(f"{plan.pp_schedule}/m{plan.microbatches}")
     return " ".join(parts)
@@ -43,13 +51,13 @@ def _state_gb(stage) -> str:
 def text(result: dict, top: int, hw) -> str:
     lines = [f"{len(result['fits'])} layouts fit in {hw.gpu_mem_gb:g} GB, "
              f"{len(result['too_big'])} overflow it, {len(result['invalid'])} are refused.", ""]
-    head = (f"{'#':>3} {'layout':<34} {'peak GB':>8} {'p/g/opt GB (rank 0)':>20} {'act GB':>7} "
+    head = (f"{'#':>3} {'layout':<44} {'peak GB':>8} {'p/g/opt GB (rank 0)':>20} {'act GB':>7} "
             f"{'comm MB':>9} {'bubble':>6} {'step ms':>9} {'tok/s':>10}")
     lines += ["fits (fastest first):", head]
     for i, p in enumerate(result["fits"][:top], 1):
         s = p.rank0()
         comm = max((sum(st.comm_bytes.values()) for st in p.stages), default=0)
-        lines.append(f"{i:>3} {layout_name(p.plan):<34} {p.peak_bytes / GB:>8.2f} {_state_gb(s):>20} "
+        lines.append(f"{i:>3} {layout_name(p.plan):<44} {p.peak_bytes / GB:>8.2f} {_state_gb(s):>20} "
                      f"{max(st.activation_bytes for st in p.stages) / GB:>7.2f} {comm / MB:>9.1f} "
                      f"{p.bubble:>6.2f} {p.step_s * 1e3:>9.4g} {p.tokens_per_s:>10.4g}")
     if len(result["fits"]) > top:
@@ -60,7 +68,7 @@ def text(result: dict, top: int, hw) -> str:
         lines.append(f"    #1 rank 0 comm MB/step: {kinds}")
     lines += ["", "do not fit (smallest peak first):"]
     for p in result["too_big"][:top]:
-        lines.append(f"    {layout_name(p.plan):<34} {p.reason}")
+        lines.append(f"    {layout_name(p.plan):<44} {p.reason}")
     if len(result["too_big"]) > top:
         lines.append(f"    ... {len(result['too_big']) - top} more")
     lines += ["", "refused (count, reason, e.g.):"]
@@ -74,7 +82,8 @@ def text(result: dict, top: int, hw) -> str:
 
 def _plan_dict(plan) -> dict:
     keys = ("dp", "tp", "pp", "ep", "zero", "recompute", "pp_schedule", "microbatches",
-            "pp_stages_per_rank", "precision")
+            "pp_stages_per_rank", "precision", "offload", "zeropp_quantize_weights",
+            "zeropp_quantize_grads", "zeropp_hpz")
     return {k: getattr(plan, k) for k in keys}
 
 

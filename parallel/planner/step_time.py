@@ -7,8 +7,13 @@
                pairwise algorithm on P ranks: all-reduce 2(P-1)/P x, all-gather (P-1) x
                (payload = the shard), reduce-scatter and all-to-all (P-1)/P x, send 1 x,
                tensor-parallel DTensor traffic 1 x
+  t_host     = ZeRO-Offload's host <-> device copies / --host-bw (GB/s, PCIe): offload=
+               optimizer moves the held gradient shard/slice down and the updated one up
+               (2 x stepped bytes); offload=params also copies every FSDP2 shard up for each
+               gather (forward and backward, per micro-batch) and its gradient down. The host
+               optimizer step itself is not modelled.
   per stage  = (t_compute + t_tensor_parallel + t_expert_all_to_all + t_pipeline)
-               / (1 - bubble) + t_gradient_sync (dp/ZeRO/FSDP, tied embedding, other)
+               / (1 - bubble) + t_gradient_sync (dp/ZeRO/FSDP, tied embedding, other) + t_host
   step time  = the slowest pipeline stage; throughput = global tokens / step time
 The micro-batch work is stretched by the pipeline bubble; the data-parallel reductions run
 once per step after it. Real systems overlap some communication: this is an upper bound on
@@ -30,6 +35,7 @@ class Hardware:
     intra_bw_gbs: float = 150.0     # per-GPU bandwidth inside a node (GB/s)
     inter_bw_gbs: float = 25.0      # per-GPU bandwidth between nodes (GB/s)
     tflops: float = 150.0           # achievable dense TFLOP/s per GPU
+    host_bw_gbs: float = 25.0       # host <-> device copy bandwidth per GPU (GB/s, PCIe 4 x16)
 
     @property
     def gpu_mem_bytes(self) -> float:
@@ -60,3 +66,14 @@ def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware) -> fl
     inside = flops / (hw.tflops * 1e12) + sum(v for k, v in comm_s.items() if k in INSIDE_STEP)
     after = sum(v for k, v in comm_s.items() if k not in INSIDE_STEP)
     return inside / (1.0 - bubble) + after
+
+
+def host_seconds(plan, state, microbatches: int, hw: Hardware) -> float:
+    """ZeRO-Offload's copies between host and device per step (see t_host above)."""
+    if plan.offload == "none":
+        return 0.0
+    stepped = state.slices.bytes if plan.zero in (1, 2) and state.slices.count else state.params.bytes
+    nbytes = 2 * stepped
+    if plan.offload == "params":
+        nbytes = state.params.bytes * (2 * microbatches + 1)
+    return nbytes / (hw.host_bw_gbs * 1e9)
