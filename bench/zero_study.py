@@ -11,8 +11,9 @@ span corruption of 512-token samples (encoder 463, decoder 64 tokens after corru
 4 sequences per GPU (global batch 4 x GPUs), bf16 autocast with fp32 master weights (so
 model state is 16 bytes per parameter at ZeRO-0: fp32 params, grads, 2 Adam moments),
 full activation recomputation, AdamW. Hardware for the time column: the planner defaults
-(150 TFLOP/s, 150/25 GB/s intra/inter-node, 8 GPUs per node). Host offload is not modelled
-yet (parallel.offload is being added separately; it plugs into memory.py's *_by_device).
+(150 TFLOP/s, 150/25 GB/s intra/inter-node, 8 GPUs per node, 25 GB/s host copies). ZeRO 1-3
+also with parallel.offload=optimizer ("+off": fp32 masters and Adam moments on the host, so
+the GPU keeps params and gradients only; the host copies add to the predicted time).
 
 Printed and written to OUT.md: per-GPU model state and peak, which of 40/80 GB it fits,
 wire bytes per step and their ratio to ZeRO-0, predicted tokens/s. OUT.png plots peak
@@ -35,6 +36,8 @@ from trainer.config import load_config  # noqa: E402
 MODELS = {"0.6B": (1024, 4096, 19, 16), "1.2B": (1536, 6144, 17, 24), "3B": (2048, 8192, 25, 32),
           "6B": (3072, 12288, 22, 48), "13B": (4096, 16384, 28, 64)}
 PER_GPU_BATCH = 4
+STAGES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"),
+          (1, "optimizer"), (2, "optimizer"), (3, "optimizer")]
 GB = 1e9
 
 
@@ -58,18 +61,19 @@ def study(models, gpus_list, hw):
             params = sum(p.numel() for p in model.parameters())
             costs, cache = model_costs(model, w), StateCache(w.build_model)
             base = None
-            for zero in (0, 1, 2, 3):
-                plan = w.validate(cfg.parallel.__class__(**{**vars(cfg.parallel), "zero": zero}), gpus)
+            for zero, offload in STAGES:
+                plan = w.validate(cfg.parallel.__class__(**{**vars(cfg.parallel), "zero": zero,
+                                                             "offload": offload}), gpus)
                 try:
                     p = predict(w, plan, hw, costs, cache)
                 except BUILD_ERRORS as e:  # a layout parallelize() refuses: say why
                     rows.append(dict(model=name, params=params, gpus=gpus, zero=zero,
-                                     refused=rejection(e)))
+                                     offload=offload, refused=rejection(e)))
                     continue
                 s = p.rank0()
-                state = sum(sum(v.values()) for v in s.model_state.values())
+                state = sum(v.get("gpu", 0) for v in s.model_state.values())  # on the GPU
                 base = base or s.wire_bytes
-                rows.append(dict(model=name, params=params, gpus=gpus, zero=zero, state=state,
+                rows.append(dict(model=name, params=params, gpus=gpus, zero=zero, offload=offload, state=state,
                                  peak=p.peak_bytes, wire=s.wire_bytes, ratio=s.wire_bytes / base,
                                  tokens_per_s=p.tokens_per_s))
             print(f"  {name} on {gpus} GPUs done", file=sys.stderr, flush=True)
@@ -77,15 +81,16 @@ def study(models, gpus_list, hw):
 
 
 def table(rows) -> str:
-    out = ["| model | params | GPUs | ZeRO | model state GB/GPU | peak GB/GPU | fits 40 GB | fits 80 GB "
+    out = ["| model | params | GPUs | ZeRO | model state on GPU, GB | peak GB/GPU | fits 40 GB | fits 80 GB "
            "| wire GB/step/GPU | vs ZeRO-0 | tokens/s (pred.) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        stage = f"{r['zero']}" + ("+off" if r["offload"] != "none" else "")
         if "refused" in r:
-            out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {r['zero']} "
+            out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {stage} "
                        f"| refused: {r['refused']} |||||||")
             continue
-        out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {r['zero']} "
+        out.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['gpus']} | {stage} "
                    f"| {r['state'] / GB:.1f} | {r['peak'] / GB:.1f} "
                    f"| {'yes' if r['peak'] <= 40 * GB else 'no'} | {'yes' if r['peak'] <= 80 * GB else 'no'} "
                    f"| {r['wire'] / GB:.2f} | {r['ratio']:.2f} "
@@ -104,7 +109,7 @@ def plot(rows, path: str) -> None:
     for m in models:
         for z in (0, 1, 2, 3):
             pts = [(r["gpus"], r["peak"] / GB) for r in rows
-                   if r["model"] == m and r["zero"] == z and "peak" in r]
+                   if r["model"] == m and r["zero"] == z and r["offload"] == "none" and "peak" in r]
             if not pts:
                 continue
             axes[0].plot(*zip(*pts), styles[z], marker="o", ms=3, color=colors[m],
@@ -118,7 +123,8 @@ def plot(rows, path: str) -> None:
     axes[0].legend(fontsize=6, ncol=2)
     gpus = sorted({r["gpus"] for r in rows})
     for z in (1, 2, 3):
-        ratio = [[r["ratio"] for r in rows if r["gpus"] == g and r["zero"] == z and "ratio" in r]
+        ratio = [[r["ratio"] for r in rows if r["gpus"] == g and r["zero"] == z and
+                  r["offload"] == "none" and "ratio" in r]
                  for g in gpus]
         pts = [(g, sum(x) / len(x)) for g, x in zip(gpus, ratio) if x]
         axes[1].plot(*zip(*pts), styles[z], marker="o", label=f"ZeRO-{z} (mean over models)")

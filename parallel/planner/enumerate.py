@@ -47,12 +47,14 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
 
 
 def _zero_family(zero: int, dp: int, tp: int, offloads, zeropp, gpus_per_node: int) -> list:
-    """The offload / ZeRO++ settings worth trying at a ZeRO stage (validate refuses the
-    rest, e.g. offload with zero 0, so those are listed as refused, not silently skipped).
-    zeropp False: none of it; True: each of quantization (qwZ+qgZ, or qgZ at ZeRO-2) and
-    hpZ over one node's dp ranks, alone and together, where the stage has it."""
-    node_dp = max(1, gpus_per_node // tp)
-    hpz = node_dp if zero == 3 and dp > node_dp and dp % node_dp == 0 else 0
+    """The offload / ZeRO++ settings that exist at a ZeRO stage (offload=optimizer needs
+    zero >= 1, offload=params zero 3: listing the others would only fill the refused table
+    with validate's messages for them). zeropp False: none of ZeRO++; True: each of
+    quantization (qwZ+qgZ, or qgZ at ZeRO-2) and hpZ over one node's dp ranks (when a node
+    holds more than one), alone and together, where the stage has it."""
+    offloads = [o for o in offloads if o == "none" or (o == "optimizer" and zero >= 1) or zero == 3]
+    node_dp = gpus_per_node // tp
+    hpz = node_dp if zero == 3 and 1 < node_dp < dp and dp % node_dp == 0 else 0
     combos = set()
     for on in zeropp:
         if not on:
