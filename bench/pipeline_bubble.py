@@ -1,6 +1,6 @@
 """Measured pipeline idle time per stage against the planner's bubble fraction.
 
-    python bench/pipeline_bubble.py [--pp 2] [--mbs 2 4 8] [--steps 5] [--d-model 256]
+    python bench/pipeline_bubble.py [--pp 2] [--mbs 2 4 8] [--steps 5] [--d-model 256] [--schedules ...]
 
 Each schedule (gpipe, 1f1b, interleaved_1f1b) runs a dense GPT (8 layers, MoE off) split
 over --pp processes (gloo, one thread each) for --steps timed optimizer steps after 2 warm-up
@@ -61,12 +61,13 @@ def main():
     ap.add_argument("--mbs", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     args = ap.parse_args()
     print(f"pp={args.pp}, dense GPT d_model={args.d_model} 8 layers, 2 sequences of {S} per "
           f"micro-batch, {args.steps} timed steps; idle = 1 - cpu/wall per stage")
     print(f"{'schedule':<18}{'m':>4}{'predicted':>11}" + "".join(f"{f'stage {s}':>10}" for s in range(args.pp))
           + f"{'mean':>8}")
-    for schedule in SCHEDULES:
+    for schedule in args.schedules:
         for m in args.mbs:
             if m < args.pp and schedule != "gpipe":
                 continue

@@ -34,14 +34,13 @@ TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.d_ff=6
         "train.warmup_steps=2", "train.steps=2", "checkpoint.at_end=false",
         "log.tensorboard=false", "log.progress=none"]
 SWITCH = ["model.arch=switch", "model.vocab_size=384", "model.n_layers=2"]  # + sentinel ids
-LAYOUTS = [  # (world, parallel overrides[, other overrides])
+LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep are inside the
+    # zero-1 and composed layouts (same all-reduce and all-to-all terms), to keep the launches few
     (1, {}),
-    (2, {"dp": 2}),
     (2, {"dp": 2, "zero": 1}),
     (2, {"dp": 2, "zero": 3}),
     (2, {"dp": 1, "tp": 2}),
     (2, {"dp": 1, "pp": 2, "microbatches": 4, "pp_schedule": "1f1b"}),
-    (2, {"dp": 2, "ep": 2}),
     (4, {"dp": 2, "tp": 2, "ep": 2, "zero": 2}),
     (8, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "zero": 1, "microbatches": 2}),
     (2, {"dp": 2, "zero": 3, "recompute": "full"}, SWITCH),  # encoder-decoder, span corruption

@@ -2,9 +2,9 @@
 
 - ZeRO-3 with offload=optimizer trains like one process (1e-4 relative, reduction order), its
   first-step model_state_bytes put the optimizer state (and the fp32 masters) on the host;
-- its checkpoint resumes under other layouts and offload modes (ZeRO-1 offloaded, ZeRO-2 and
-  ZeRO-3 offload=params) with the uninterrupted run's losses (1e-4): checkpoints hold no
-  trace of offloading;
+- its checkpoint resumes under other layouts and offload modes (ZeRO-1 offloaded, ZeRO-3
+  offload=params) with the uninterrupted run's losses (1e-4): checkpoints hold no trace of
+  offloading;
 - qwZ + qgZ: every loss within 1% of the unquantized run, gather and reduce-scatter bytes in
   metrics.jsonl's comm_bytes <= 0.3x.
 """
@@ -34,7 +34,6 @@ def test_offload_trains_like_one_process_and_checkpoints_move_between_modes(tmp_
     state = records(off)[0]["model_state_bytes"]
     assert set(state["optimizer"]) == {"cpu"} and state["optimizer"]["cpu"] > 0, state
     for i, layout in enumerate((["parallel.zero=1", "parallel.offload=optimizer"],
-                                ["parallel.zero=2"],
                                 ["parallel.zero=3", "parallel.offload=params"])):
         resumed = tmp_path / f"resumed{i}"
         shutil.copytree(off / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
