@@ -1,4 +1,4 @@
-"""Two facts about a parameter or gradient that may be a DTensor (tp, FSDP2) or a plain tensor."""
+"""Facts about a parameter or gradient that may be a DTensor (tp, FSDP2) or a plain tensor."""
 import math
 
 from torch.distributed.tensor import DTensor
@@ -16,3 +16,12 @@ def shard_pieces(t) -> int:
         return 1
     return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements)
                      if isinstance(pl, (Shard, _StridedShard)))
+
+
+def like_param(t, p):
+    """t, a local tensor laid out like p's local piece, as a DTensor with p's mesh, placements
+    and global shape (no copy, no communication); t itself when p is a plain tensor."""
+    if not isinstance(p, DTensor):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())

@@ -16,6 +16,8 @@ from moe.all_to_all import CommCounter
 from moe.aux import moe_layers
 from moe.ep_dispatcher import EXPERT_PARAM_ATTR, check_shardable, shard_layer_experts
 
+from .dtensors import like_param
+
 __all__ = ["apply_expert_parallel", "is_expert_param", "comm_counters", "expert_checkpoint_transforms"]
 
 
@@ -93,11 +95,7 @@ def expert_checkpoint_transforms(model, meshes):
     def unwrap(name, t):
         if not isinstance(t, DTensor):
             return t
-        p = params[name]
-        if not isinstance(p, DTensor):
-            return t.to_local()
-        return DTensor.from_local(t.to_local(), p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        return like_param(t.to_local(), params[name])
 
     def transform(model_sd, optim_sd):
         model_sd = {k: wrap(v) if k in params else v for k, v in model_sd.items()}

@@ -17,9 +17,8 @@ optimizer class that has a fused CPU kernel (Adam, AdamW) uses it (`same_optimiz
 import inspect
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .dtensors import local
+from .dtensors import like_param, local
 
 
 def host_device() -> torch.device:
@@ -63,13 +62,6 @@ def same_optimizer(optimizer_cls, groups: list, defaults: dict, fused: bool):
     return optimizer_cls(groups, **kw)
 
 
-def _like(master_local: torch.Tensor, p):
-    if not isinstance(p, DTensor):
-        return master_local
-    return DTensor.from_local(master_local, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
-
-
 class HostMasters:
     """ZeRO-3 with offload=optimizer: a host fp32 copy (`shard_of[id(p)]`) of each FSDP2
     parameter's local shard is what the optimizer steps. Same protocol as zero.ZeroState, so
@@ -85,12 +77,12 @@ class HostMasters:
         calls it after the weights are initialised: the model may still be on the meta device
         here, and then the masters are allocated there)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.shard_of = {id(p): torch.nn.Parameter(_like(host_empty_like(local(p)), p)) for p in self.params}
+        self.shard_of = {id(p): torch.nn.Parameter(like_param(host_empty_like(local(p)), p)) for p in self.params}
 
     def before_step(self) -> None:
         for p in self.params:
             m = self.shard_of[id(p)]
-            m.grad = None if p.grad is None else _like(to_host(local(p.grad)), p)
+            m.grad = None if p.grad is None else like_param(to_host(local(p.grad)), p)
             p.grad = None
         wait_for_copies()
 
@@ -105,7 +97,7 @@ class HostMasters:
         with torch.no_grad():
             for p in self.params:
                 if local(self.shard_of[id(p)]).is_meta and not local(p).is_meta:
-                    self.shard_of[id(p)] = torch.nn.Parameter(_like(host_empty_like(local(p)), p))
+                    self.shard_of[id(p)] = torch.nn.Parameter(like_param(host_empty_like(local(p)), p))
                 local(self.shard_of[id(p)]).copy_(local(p))
 
     def model_param_of(self) -> dict:

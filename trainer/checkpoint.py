@@ -29,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from parallel.dtensors import like_param
+
 from .distributed import all_agree, barrier
 
 # ZeRO-1/2 optimizers step private flat slices; their state is saved gathered into the
@@ -92,25 +94,18 @@ def _zero_optim_state(model, optimizer, zero) -> dict:
     """Collective: the slice optimizer's state as get_state_dict would give it for an unsharded
     optimizer over the model (keyed by parameter name, tensors shaped like the parameter;
     DTensor parameters get DTensor state with the same placements)."""
-    from torch.distributed.tensor import DTensor
     full = zero.full_optimizer_state(optimizer)
     state = {}
     for name, p in model.named_parameters():
         if id(p) not in full:
             continue
-        state[_param_name(name)] = {k: _like_param(v, p, DTensor) for k, v in full[id(p)].items()}
+        state[_param_name(name)] = {k: v if not isinstance(v, torch.Tensor) or v.dim() == 0
+                                    else like_param(v, p) for k, v in full[id(p)].items()}
     names = {id(p): _param_name(n) for n, p in model.named_parameters()}
     of = zero.model_param_of()
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [names[id(of[id(s)])] for s in g["params"]]} for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
-
-
-def _like_param(v, p, DTensor):
-    if not isinstance(p, DTensor) or not isinstance(v, torch.Tensor) or v.dim() == 0:
-        return v
-    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
 
 
 def _set_zero_optim_state(model, optimizer, zero, optim_sd) -> None:
