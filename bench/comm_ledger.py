@@ -62,7 +62,8 @@ def main():
     mb = 2 ** 20
     short = {k: k.replace("zero_", "").replace("expert_", "").replace("_reduce_scatter", "_rs")
              for k in KINDS}
-    print(f"{'W':>2} {'layout':<22}" + "".join(f"{short[k]:>14}" for k in KINDS) + f"{'total':>9}{'vs dp':>7}")
+    w = max(len(v) for v in short.values()) + 2  # every header apart, however long
+    print(f"{'W':>2} {'layout':<22}" + "".join(f"{short[k]:>{w}}" for k in KINDS) + f"{'total':>9}{'vs dp':>7}")
     for world in args.worlds:
         base = None
         for spec in LAYOUTS[world]:
@@ -70,7 +71,7 @@ def main():
             total = sum(got.values())
             base = base or total
             name = " ".join(f"{k}{v}" for k, v in spec.items())
-            print(f"{world:>2} {name:<22}" + "".join(f"{got.get(k, 0) / mb:>14.3f}" for k in KINDS)
+            print(f"{world:>2} {name:<22}" + "".join(f"{got.get(k, 0) / mb:>{w}.3f}" for k in KINDS)
                   + f"{total / mb:>9.3f}{total / base:>7.2f}")
 
 

@@ -4,8 +4,9 @@ Shapes: T tokens (global), D model dim, F ffn dim, E experts, K top-k, P ranks.
 For every world size the same global batch of T tokens is split over P spawned processes
 (gloo on CPU, one thread each), one MoELayer with experts sharded over all P ranks.
 
-  bytes   payload of one forward's two all-to-alls (dispatch + combine, incl. the rows a rank
-          keeps for itself) summed over ranks, against the routed-token minimum
+  bytes   payload of one forward's two token all-to-alls (dispatch + combine, incl. the rows a
+          rank keeps for itself) summed over ranks, counted by the communication ledger
+          (parallel/ledger.py, less the [P, E] count tables), against the routed-token minimum
           2 * (kept assignments) * D * bytes/elem; dropless must print 1.00. For context
           the padded [E, C, D] layout of GShard-style dispatch at the same capacity factor
           (1.25 when dropless, where padding would also drop tokens).
@@ -30,7 +31,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe import MoELayer  # noqa: E402
-from parallel.expert import apply_expert_parallel, comm_counters  # noqa: E402
+from parallel.expert import apply_expert_parallel  # noqa: E402
+from parallel.ledger import CommLedger  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 
@@ -52,22 +54,27 @@ def _worker(rank, world, cfg):
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(n_seq, S, cfg["D"], generator=g).to(dev).requires_grad_()
     times, cpu = [], []
+    ledger = CommLedger({"ep": dist.group.WORLD})
     for it in range(cfg["warmup"] + cfg["iters"]):
-        counters = comm_counters(layer)
-        for c in counters.values():
-            c.reset()
         dist.barrier()
         _sync(dev)
         t0, c0 = time.perf_counter(), time.process_time()
-        layer(x).square().mean().backward()
+        with ledger.recording():
+            y = layer(x)
+        fwd = ledger.take().get("expert_all_to_all", 0)
+        y.square().mean().backward()
         _sync(dev)
         if it >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         layer.zero_grad(set_to_none=True)
         x.grad = None
-    payload = sum(c.payload_bytes for c in counters.values())
-    return {"times": times, "cpu": cpu, "payload": payload, "remote": sum(c.remote_bytes for c in counters.values()),
+    # the last forward: token rows, less the count table each dispatch exchanges first
+    payload = fwd - world * cfg["E"] * 8 if world > 1 else 0
+    L = cfg["E"] // world
+    own = int(layer.last_stats.kept_E[rank * L:(rank + 1) * L].sum())  # rows kept on this rank,
+    remote = payload - 2 * own * cfg["D"] * x.element_size() if world > 1 else 0  # out, back
+    return {"times": times, "cpu": cpu, "payload": payload, "remote": remote,
             "kept": int(layer.last_stats.kept_E.sum()), "elem": x.element_size()}
 
 

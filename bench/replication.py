@@ -14,7 +14,8 @@ the same layer sharded with R = 0, 1, 2 (fwd + bwd, `steps` batches) and reports
   extra MB   bytes all ranks hand to collectives per step beyond R = 0, counted at the
              torch.distributed boundary by the communication ledger (parallel/ledger.py):
              replica weights fetched in forward + their gradients returned in backward
-             (cross-checked against the layer's replica CommCounter)
+             (planned MB: the same from each step's placement, moe/placement.py: every
+             replica costs its expert's bytes once forward and once backward)
   max|dy|    largest output difference against R = 0 (replication is the same function)
 
 and a GPU cost model of the expert part of the step (no GPU here; 2 shared CPU cores cannot
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe import MoELayer  # noqa: E402
+from moe.placement import plan_placement  # noqa: E402
 from parallel.expert import apply_expert_parallel  # noqa: E402
 from parallel.ledger import CommLedger  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
@@ -56,8 +58,21 @@ def _popularity_bias(E, zipf, seed=0):
     return bias
 
 
-def _run_one(layer, batches, ledger):
-    imb, imb0, ys, ledger_bytes = [], [], [], 0
+def _replicas_sent(layer, R) -> int:
+    """Expert-sized messages this rank sent in the last step: weights of its experts to the
+    ranks holding replicas of them (forward) and the gradients of the replicas it held
+    (backward), from the step's placement (the same global counts the dispatcher used)."""
+    P, r = dist.get_world_size(), dist.get_rank()
+    kept_E = layer.last_stats.kept_E.clone()
+    dist.all_reduce(kept_E)
+    replicas = plan_placement(kept_E.tolist(), P, R).replicas
+    L = layer.num_experts // P
+    owned = sum(1 for c in range(P) for e in replicas[c] if e // L == r)
+    return owned + len(replicas[r])
+
+
+def _run_one(layer, batches, ledger, R):
+    imb, imb0, ys, ledger_bytes, sent = [], [], [], 0, 0
     for x in batches:
         layer.zero_grad(set_to_none=True)
         with ledger.recording():
@@ -67,11 +82,11 @@ def _run_one(layer, batches, ledger):
         imb.append(layer.last_stats.rank_imbalance)
         imb0.append(layer.last_stats.rank_imbalance_unreplicated)
         ys.append(y.detach())
-    rc = layer.dispatcher.replica_counter
-    sent = rc.payload_bytes + rc.backward_bytes   # replica weights (fwd) + grads (bwd) sent
+        sent += _replicas_sent(layer, R)
+    expert_bytes = sum(p[0].numel() * p.element_size() for p in layer.experts.weights()
+                       if p is not None)
     return dict(imb=sum(imb) / len(imb), imb0=sum(imb0) / len(imb0), ys=ys, ledger=ledger_bytes,
-                replica_sent=sent, expert_bytes=sum(p[0].numel() * p.element_size()
-                                                    for p in layer.experts.weights() if p is not None))
+                replica_sent=sent * expert_bytes, expert_bytes=expert_bytes)
 
 
 def _worker(rank, P, cfg):
@@ -89,7 +104,7 @@ def _worker(rank, P, cfg):
         layer = copy.deepcopy(base)
         layer.replica_slots = R
         apply_expert_parallel(layer, dist.group.WORLD)
-        out[R] = _run_one(layer, batches, ledger)
+        out[R] = _run_one(layer, batches, ledger, R)
     ref = out[0]["ys"]
     for R in SLOTS:
         r = out[R]
@@ -141,13 +156,13 @@ def main(argv=None) -> None:
     print(f"cost model: D={m['D']} F={m['F']} swiglu bf16 experts, {m['tokens_per_rank']} tokens "
           f"per rank, {m['flops'] / 1e12:.0f} TFLOP/s, {m['bandwidth'] / 1e9:.0f} GB/s, replica "
           f"traffic not overlapped")
-    print(f"{'ep':>3} {'R':>3} {'max/mean0':>10} {'max/mean':>9} {'extra MB':>9} {'counted MB':>10} "
+    print(f"{'ep':>3} {'R':>3} {'max/mean0':>10} {'max/mean':>9} {'extra MB':>9} {'planned MB':>10} "
           f"{'exp sent':>8} {'model ms':>9} {'+comm':>8} {'vs R=0':>7} {'max|dy|':>8}")
     for P in (int(p) for p in args.eps.split(",")):
         for line in run(cfg, P):
             print(line, flush=True)
     print("max/mean0: without replicas; extra MB: ledger bytes per step beyond R=0 (all ranks); "
-          "counted MB: replica CommCounter; exp sent: expert-sized messages the busiest rank "
+          "planned MB: the same from each step's placement; exp sent: expert-sized messages the busiest rank "
           "sends per step; model ms: busiest-rank expert GEMMs, +comm: its replica traffic")
 
 

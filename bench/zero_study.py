@@ -98,46 +98,93 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+STAGE_STYLE = {  # (zero, offloaded) -> colour, marker, line style: every stage its own look
+    (0, False): ("black", "o", "-"), (1, False): ("tab:blue", "s", "-"),
+    (2, False): ("tab:orange", "^", "-"), (3, False): ("tab:green", "D", "-"),
+    (1, True): ("tab:blue", "s", "--"), (2, True): ("tab:orange", "^", "--"),
+    (3, True): ("tab:green", "D", "--")}
+
+
+def _stage_label(zero: int, off: bool) -> str:
+    return f"ZeRO-{zero}" + (" + offload=optimizer" if off else "")
+
+
+def _series(rows, key, **match):
+    return [(r["gpus"], r[key]) for r in rows
+            if key in r and all(r[k] == v for k, v in match.items())]
+
+
+def _mean_over_models(rows, gpus, key, zero, offload):
+    pts = []
+    for g in gpus:
+        xs = [r[key] for r in rows if key in r and r["gpus"] == g and r["zero"] == zero
+              and r["offload"] == offload]
+        if xs:
+            pts.append((g, sum(xs) / len(xs)))
+    return pts
+
+
 def plot(rows, path: str) -> None:
+    """One memory panel per model (model state on the GPU, every stage with and without
+    offload: the quantity ZeRO partitions; peaks and the 40/80 GB fit are in the table), then
+    communication and predicted throughput relative to ZeRO-0, and the legend alone."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {0: "-", 1: "--", 2: "-.", 3: ":"}
-    colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    for m in models:
-        for z in (0, 1, 2, 3):
-            pts = [(r["gpus"], r["peak"] / GB) for r in rows
-                   if r["model"] == m and r["zero"] == z and r["offload"] == "none" and "peak" in r]
-            if not pts:
-                continue
-            axes[0].plot(*zip(*pts), styles[z], marker="o", ms=3, color=colors[m],
-                         label=f"{m} ZeRO-{z}" if z in (0, 3) or m == models[0] else None)
-    for limit in (40, 80):
-        axes[0].axhline(limit, color="gray", lw=0.8)
-        axes[0].annotate(f"{limit} GB", (1.0, limit), xycoords=("axes fraction", "data"),
-                         ha="right", va="bottom", fontsize=8)
-    axes[0].set(yscale="log", xlabel="GPUs", ylabel="predicted peak GB per GPU",
-                title="memory per GPU (line style = ZeRO stage)")
-    axes[0].legend(fontsize=6, ncol=2)
     gpus = sorted({r["gpus"] for r in rows})
-    for z in (1, 2, 3):
-        ratio = [[r["ratio"] for r in rows if r["gpus"] == g and r["zero"] == z and
-                  r["offload"] == "none" and "ratio" in r]
-                 for g in gpus]
-        pts = [(g, sum(x) / len(x)) for g, x in zip(gpus, ratio) if x]
-        axes[1].plot(*zip(*pts), styles[z], marker="o", label=f"ZeRO-{z} (mean over models)")
-    axes[1].axhline(1.5, color="gray", lw=0.8)
-    axes[1].set(xlabel="GPUs", ylabel="wire bytes / ZeRO-0 (data parallel)",
-                title="communication per step relative to data parallelism", ylim=(0, 2))
-    for ax in axes:
+    ncol = 4
+    nrow = -(-(len(models) + 3) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.4 * nrow))
+    axes = axes.reshape(-1)
+    for ax, m in zip(axes, models):
+        for (z, off), (c, mk, ls) in STAGE_STYLE.items():
+            pts = _series(rows, "state", model=m, zero=z, offload="optimizer" if off else "none")
+            if pts:
+                ax.plot([g for g, _ in pts], [v / GB for _, v in pts], ls, color=c, marker=mk,
+                        ms=5, mfc="white" if off else c, lw=1.2)
+        ax.set(yscale="log", title=f"{m}: model state GB per GPU", xlabel="GPUs")
+    k = len(models)
+    comm, thr, leg = axes[k], axes[k + 1], axes[k + 2]
+    for (z, off), (c, mk, ls) in STAGE_STYLE.items():
+        offload = "optimizer" if off else "none"
+        if not off:  # offload moves no extra bytes: its ratio is its stage's
+            pts = _mean_over_models(rows, gpus, "ratio", z, offload)
+            comm.plot(*zip(*pts), ls, color=c, marker=mk, ms=5)
+        base = {g: v for g, v in _mean_over_models(rows, gpus, "tokens_per_s", 0, "none")}
+        pts = [(g, v / base[g]) for g, v in _mean_over_models(rows, gpus, "tokens_per_s", z,
+                                                              offload) if g in base]
+        if pts:
+            thr.plot(*zip(*pts), ls, color=c, marker=mk, ms=5, mfc="white" if off else c)
+        leg.plot([], [], ls, color=c, marker=mk, mfc="white" if off else c,
+                 label=_stage_label(z, off))
+    comm.set(title="wire bytes / ZeRO-0 (mean over models)\noffload: same as its stage",
+             xlabel="GPUs", ylim=(0, 2))
+    thr.set(title="predicted tokens/s / ZeRO-0\n(mean over models)", xlabel="GPUs", ylim=(0, 1.1))
+    leg.legend(loc="center", fontsize=10, frameon=False)
+    leg.axis("off")
+    for ax in axes[k + 3:]:
+        ax.axis("off")
+    for ax in axes[:k + 2]:
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set_xticks(gpus, [str(g) for g in gpus])
-    axes[1].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+
+
+def rows_from_table(path: str) -> list:
+    """The rows of a table written by `table` (--replot: redraw without re-running)."""
+    rows = []
+    for line in open(path).read().splitlines()[2:]:
+        c = [x.strip() for x in line.strip("|").split("|")]
+        zero, off = int(c[3][0]), c[3].endswith("+off")
+        r = dict(model=c[0], gpus=int(c[2]), zero=zero, offload="optimizer" if off else "none")
+        if not c[4].startswith("refused"):
+            r.update(state=float(c[4]) * GB, peak=float(c[5]) * GB, ratio=float(c[9]),
+                     tokens_per_s=float(c[10].replace(",", "")))
+        rows.append(r)
+    return rows
 
 
 def main():
@@ -145,7 +192,12 @@ def main():
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out", default="docs/zero_study", help="writes OUT.md and OUT.png")
+    ap.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.md only")
     args = ap.parse_args()
+    if args.replot:
+        plot(rows_from_table(args.out + ".md"), args.out + ".png")
+        print(f"wrote {args.out}.png")
+        return
     rows = study(args.models, args.gpus, Hardware())
     text = table(rows)
     print(text)

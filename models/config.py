@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from moe.capacity import parse_capacity_factor
-from moe.balance import BALANCE_LOSSES
+from moe.config import BALANCE_LOSSES
 from moe.grouped_mm import EXPERT_IMPLS
-from moe.router import ROUTER_KINDS as ROUTERS
+from moe.config import ROUTER_KINDS as ROUTERS
 from moe.scoring import SCORE_FUNCS
 
 ARCHS = ("gpt", "switch")

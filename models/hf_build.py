@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from moe.swap import CONFIG_KEY, load_moefied, moefy
+from moe.hf import CONFIG_KEY, load_moefied, moefy
 
 from .config import help_field
 

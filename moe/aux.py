@@ -67,7 +67,7 @@ def inject_aux_loss(model) -> list:
 
 def set_balance_group(model, group) -> None:
     """Hand every MoELayer the data-parallel group its micro_batch/global_batch balance
-    losses count tokens over (moe/balance.py); None: this process only."""
+    losses count tokens over (moe/losses.py); None: this process only."""
     for _, layer in moe_layers(model):
         layer.set_balance_group(group)
 

@@ -20,27 +20,27 @@ class DispatchMeta:
     slot_N: Optional[torch.Tensor]  # long [N]: t*K + k (token choice) or None (expert choice)
     slots_per_token: int
     num_tokens: int
-    counts_E: object                # rows per local expert, in order: tuple, or long [E] tensor
+    counts_E: torch.Tensor          # long [E]: rows per local expert, in order, on the device
 
     @property
     def rank_rows(self) -> torch.Tensor:
-        """long [1]: rows this process's experts received (one rank: all kept rows)."""
-        if isinstance(self.counts_E, torch.Tensor):
-            return self.counts_E.sum().reshape(1)  # stays on the device: no sync
-        return torch.tensor([sum(self.counts_E)], dtype=torch.long)
+        """long [1]: rows this process's experts received (one rank: all kept rows); stays on
+        the device (no sync)."""
+        return self.counts_E.sum().reshape(1)
 
-    rank_rows_unreplicated = rank_rows
+    @property
+    def rank_rows_unreplicated(self):
+        """None: one process has no replicas (see EPDispatchMeta)."""
+        return None
 
 
-def sort_by_expert(routing: Routing, num_experts: int, host_counts: bool = True):
+def sort_by_expert(routing: Routing, num_experts: int):
     """Stable sort of the assignments by expert id -> (order_A, counts_E).
 
-    counts_E: Python ints (host_counts=True, a device->host sync on accelerators), else a
-    long [E] tensor on the device (scatter_add: unlike bincount, it needs no host sync).
+    counts_E: a long [E] tensor on the device (scatter_add: unlike bincount, it needs no
+    host sync); the experts turn it into host ints only if their path needs them.
     """
     order_A = torch.sort(routing.expert_A, stable=True).indices
-    if host_counts:
-        return order_A, torch.bincount(routing.expert_A, minlength=num_experts).tolist()
     expert_A = routing.expert_A
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_A.device)
     return order_A, counts_E.scatter_add_(0, expert_A, torch.ones_like(expert_A))
@@ -87,14 +87,13 @@ class LocalDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, host_counts: bool = True):
-        """-> (x_ND, counts_E, meta); counts_E a list of ints, or with host_counts=False a
-        long [E] tensor on the device (for experts that take offsets on the device)."""
-        order_A, counts_E = sort_by_expert(routing, self.num_experts, host_counts)
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        """-> (x_ND, counts_E, meta); counts_E a long [E] tensor on the device."""
+        order_A, counts_E = sort_by_expert(routing, self.num_experts)
         x_ND, token_N, gate_N, slot_N = gather_sorted(x_TD, routing, order_A)
         meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token, routing.num_tokens,
-                            tuple(counts_E) if host_counts else counts_E)
-        return x_ND, list(counts_E) if host_counts else counts_E, meta
+                            counts_E)
+        return x_ND, counts_E, meta
 
     def expert_weights(self, params: tuple, meta: DispatchMeta) -> tuple:
         """The weights of every expert slot: here just the experts (no replicas)."""

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .all_to_all import CommCounter, all_to_all, exchange_counts
-
+from .all_to_all import all_to_all, exchange_counts
 from .dispatcher import DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, weighted_combine
 from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
@@ -50,8 +49,11 @@ class EPDispatchMeta:
         return torch.tensor(self.placement.rank_rows, dtype=torch.long)
 
     @property
-    def rank_rows_unreplicated(self) -> torch.Tensor:
-        """long [P]: rows each rank would have received without replicas (its owned experts')."""
+    def rank_rows_unreplicated(self):
+        """long [P]: rows each rank would have received without replicas (its owned
+        experts'); None when no rank holds a replica (then it is rank_rows)."""
+        if not any(self.placement.replicas):
+            return None
         return torch.tensor(self.placement.owner_rows, dtype=torch.long)
 
 
@@ -75,24 +77,21 @@ class ExpertParallelDispatcher:
     """Dispatch to the experts spread over `group`; rank r of P owns [r*L, (r+1)*L) and has
     `replica_slots` more slots for replicas of hot experts (moe/placement.py)."""
 
-    def __init__(self, num_experts: int, group, counter: CommCounter = None, replica_slots: int = 0):
+    def __init__(self, num_experts: int, group, replica_slots: int = 0):
         self.num_experts = num_experts
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.num_local = num_experts // self.world
         self.replica_slots = replica_slots
-        self.counter = counter if counter is not None else CommCounter()
-        # replica weights and their gradients, apart from the token rows in `counter`
-        self.replica_counter = CommCounter()
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, host_counts: bool = True):
-        """host_counts is accepted for the dispatcher interface; the exchange needs the
-        split sizes on the host, so counts_L are always Python ints here."""
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        """-> (x_ND, counts_L, meta). The exchange needs its split sizes on the host, so
+        counts_L (rows per local slot) are Python ints here."""
         P, r = self.world, self.rank
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
-        mine_PE = torch.tensor(counts_E, dtype=torch.long, device=x_TD.device).expand(P, -1)
-        counts_PE = exchange_counts(mine_PE, self.group, self.counter).tolist()  # row p: rank p's
+        mine_PE = counts_E.to(x_TD.device).expand(P, -1)
+        counts_PE = exchange_counts(mine_PE, self.group).tolist()  # row p: rank p's
         placement = plan_placement([sum(c) for c in zip(*counts_PE)], P, self.replica_slots)
         routes = route_rows(placement, counts_PE)
         if self.replica_slots:  # rows of a replicated expert may go to several ranks
@@ -102,11 +101,11 @@ class ExpertParallelDispatcher:
             order_A = order_A[torch.sort(g_A.to(order_A.device), stable=True).indices]
         x_AD, token_A, gate_A, slot_A = gather_sorted(x_TD, routing, order_A)
         local = DispatchMeta(token_A, gate_A, slot_A, routing.slots_per_token,
-                             routing.num_tokens, tuple(counts_E))
+                             routing.num_tokens, counts_E)
         send_splits = routes.table_PPW[r].sum(1).tolist()
         recv_PW = routes.table_PPW[:, r, :].to(x_TD.device)
         recv_splits = recv_PW.sum(1).tolist()
-        x_ND = all_to_all(x_AD, recv_splits, send_splits, self.group, self.counter)
+        x_ND = all_to_all(x_AD, recv_splits, send_splits, self.group)
         perm_N = source_to_expert_order(recv_PW)
         unperm_N = torch.empty_like(perm_N)
         unperm_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device)
@@ -134,8 +133,7 @@ class ExpertParallelDispatcher:
         send_splits = [sum(e // L == r for e in pl.replicas[c]) for c in range(self.world)]
         recv_splits = [sum(e // L == o for e in pl.replicas[r]) for o in range(self.world)]
         idx = torch.tensor(send_idx, dtype=torch.long, device=flat_LX.device)
-        rep_RX = all_to_all(flat_LX.index_select(0, idx), recv_splits, send_splits, self.group,
-                            self.replica_counter)
+        rep_RX = all_to_all(flat_LX.index_select(0, idx), recv_splits, send_splits, self.group)
         widths = [p[0].numel() for p in present]
         reps = iter(rep_RX.split(widths, 1))
         return tuple(None if p is None else
@@ -144,8 +142,7 @@ class ExpertParallelDispatcher:
 
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype) -> torch.Tensor:
         y_src_ND = y_ND[meta.unperm_N]
-        y_AD = all_to_all(y_src_ND, list(meta.send_splits), list(meta.recv_splits),
-                          self.group, self.counter)
+        y_AD = all_to_all(y_src_ND, list(meta.send_splits), list(meta.recv_splits), self.group)
         return weighted_combine(y_AD, meta.local, out_dtype)
 
 
@@ -182,7 +179,7 @@ def check_shardable(layer, ep_group) -> tuple:
     return P, r
 
 
-def shard_layer_experts(layer, ep_group, counter: CommCounter = None) -> None:
+def shard_layer_experts(layer, ep_group) -> None:
     """Keep experts [r*E/P, (r+1)*E/P) of `layer`, install the all-to-all dispatcher.
 
     The layer must hold full weights (identical on every rank, e.g. same seed); they are
@@ -202,5 +199,5 @@ def shard_layer_experts(layer, ep_group, counter: CommCounter = None) -> None:
     if P == 1:
         layer.dispatcher = LocalDispatcher(layer.num_experts)
     else:
-        layer.dispatcher = ExpertParallelDispatcher(layer.num_experts, ep_group, counter,
+        layer.dispatcher = ExpertParallelDispatcher(layer.num_experts, ep_group,
                                                     layer.replica_slots)

@@ -5,51 +5,17 @@ E local experts.
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .glu import CLAMPED_SWIGLU, clamped_swiglu
+from .activations import ACTIVATIONS, Activation, check_activation
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
 
-# name -> (activation, gated). Gated variants compute act(x @ w1) * (x @ w3), except
-# clamped_swiglu (GPT-OSS, moe/glu.py), whose gate/up function runs on the plain-op path.
-ACTIVATIONS = {
-    "gelu": (F.gelu, False),
-    "gelu_tanh": (lambda h: F.gelu(h, approximate="tanh"), False),
-    "relu": (F.relu, False),
-    "silu": (F.silu, False),
-    "swiglu": (F.silu, True),
-    "geglu": (F.gelu, True),
-    "geglu_tanh": (lambda h: F.gelu(h, approximate="tanh"), True),  # T5 v1.1, Gemma
-    CLAMPED_SWIGLU: (None, True),
-}
-
-
-# aten backward kernels of the base activations, so the fused backward needs no autograd
-# re-trace; an activation missing here falls back to autograd on a recomputed activation.
-_ACT_BACKWARD = {
-    F.gelu: lambda g, h: torch.ops.aten.gelu_backward(g, h),
-    F.silu: lambda g, h: torch.ops.aten.silu_backward(g, h),
-    F.relu: lambda g, h: torch.ops.aten.threshold_backward(g, h, 0),
-}
+__all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
+           "check_experts_impl"]
 
 
 def check_experts_impl(experts_impl: str) -> None:
     if experts_impl not in EXPERT_IMPLS:
         raise ValueError(f"experts_impl={experts_impl!r} is not supported; use one of {EXPERT_IMPLS}")
-
-
-def check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; use one of {sorted(ACTIVATIONS)}")
-
-
-def _act_backward(act_fn, grad_nF, h_nF):
-    kernel = _ACT_BACKWARD.get(act_fn)
-    if kernel is not None:
-        return kernel(grad_nF, h_nF)
-    with torch.enable_grad():
-        h = h_nF.detach().requires_grad_(True)
-        return torch.autograd.grad(act_fn(h), h, grad_nF)[0]
 
 
 def _affine(x_nD, w_DF, b_F, out=None):
@@ -84,12 +50,13 @@ class _GroupedFFN(torch.autograd.Function):
     weight gradients into a fresh [E, D, F] tensor (a full extra copy of every weight
     gradient per step, growing with E). Here each expert's output matmul writes straight
     into its rows of y (out=), each weight-gradient matmul into its expert's slice, and the
-    backward uses the aten activation kernels. Saved per expert, like autograd would: the
-    pre-activations h1 (and h3) and the w2 input a.
+    backward runs the activation's own backward (moe/activations.py). Saved per expert, like
+    autograd would: the pre-activations h1 (and h3) and the w2 input a.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, counts, act_fn, gated, w1, w2, w3, b1, b2, b3):
+    def forward(ctx, x_ND, counts, act, w1, w2, w3, b1, b2, b3):
+        gated = act.gated
         y_ND = x_ND.new_empty(x_ND.shape[0], w2.shape[-1])
         saved, lo = [], 0
         for e, n in enumerate(counts):
@@ -99,11 +66,11 @@ class _GroupedFFN(torch.autograd.Function):
             cm = _colmajor_hidden(x_ND, n)
             h1 = _affine(x, w1[e], _row(b1, e), out=_hidden(x_ND, n, F_, cm))
             h3 = _affine(x, w3[e], _row(b3, e), out=_hidden(x_ND, n, F_, cm)) if gated else None
-            a = act_fn(h1) * h3 if gated else act_fn(h1)
+            a = act(h1, h3)
             _affine(a, w2[e], _row(b2, e), out=y_ND[lo:lo + n])
             saved += [h1, h3, a]
             lo += n
-        ctx.counts, ctx.act_fn, ctx.gated = counts, act_fn, gated
+        ctx.counts, ctx.act = counts, act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
         ctx.save_for_backward(x_ND, w1, w2, w3, *saved)
         return y_ND
@@ -130,35 +97,31 @@ class _GroupedFFN(torch.autograd.Function):
             x, dy = x_ND[lo:lo + n], dy_ND[lo:lo + n]
             da_buf = _hidden(x_ND, n, h1.shape[-1], _colmajor_hidden(x_ND, n))
             da = torch.mm(dy, w2[e].t(), out=da_buf)
-            dh3 = da * ctx.act_fn(h1) if ctx.gated else None
-            dh1 = _act_backward(ctx.act_fn, da * h3 if ctx.gated else da, h1)
+            dh1, dh3 = ctx.act.backward(da, h1, h3)
             if need_w:
                 torch.mm(a.t(), dy, out=dw[1][e])
                 torch.mm(x.t(), dh1, out=dw[0][e])
-                if ctx.gated:
+                if dh3 is not None:
                     torch.mm(x.t(), dh3, out=dw[2][e])
                 for g, src in zip(db, (dh1, dy, dh3)):
                     if g is not None:
                         torch.sum(src, 0, out=g[e])
             if need_x:
                 torch.mm(dh1, w1[e].t(), out=dx_ND[lo:lo + n])
-                if ctx.gated:
+                if dh3 is not None:
                     dx_ND[lo:lo + n].addmm_(dh3, w3[e].t())
             lo += n
-        return (dx_ND, None, None, None, *dw, *db)
+        return (dx_ND, None, None, *dw, *db)
 
 
 def grouped_ffn(x_ND, counts, activation, w1, w2, w3=None, b1=None, b2=None, b3=None):
-    """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND, all in one node."""
-    act_fn, gated = ACTIVATIONS[activation]
-    if act_fn is None:
-        raise ValueError(f"activation={activation!r} has no fused kernel; use ExpertBank, which "
-                         f"runs it on its plain-op path")
+    """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND, all in one node.
+    `activation`: a name of ACTIVATIONS or an Activation (clamped_swiglu's constants)."""
+    act = activation if isinstance(activation, Activation) else Activation(activation)
     if sum(counts) != x_ND.shape[0]:
         raise ValueError(f"counts sum to {sum(counts)} but x_ND has {x_ND.shape[0]} rows; "
                          "counts[e] must be the number of rows of expert e")
-    return _GroupedFFN.apply(x_ND, tuple(int(c) for c in counts), act_fn, gated,
-                             w1, w2, w3, b1, b2, b3)
+    return _GroupedFFN.apply(x_ND, tuple(int(c) for c in counts), act, w1, w2, w3, b1, b2, b3)
 
 
 class ExpertBank(nn.Module):
@@ -167,12 +130,15 @@ class ExpertBank(nn.Module):
     `forward(x_ND, counts)` runs expert e on rows [sum(counts[:e]), sum(counts[:e+1])); an
     expert with no rows costs nothing. Optional biases b1 [E, F], b2 [E, D], b3 [E, F] exist so
     dense FFNs with biases (GPT-2, BERT, GPT-OSS experts) can be held exactly.
-    activation="clamped_swiglu" (GPT-OSS) uses swiglu_alpha and swiglu_limit (moe/glu.py).
+    activation="clamped_swiglu" (GPT-OSS) uses swiglu_alpha and swiglu_limit (moe/activations.py).
 
     experts_impl: "loop" runs the fused per-expert loop below (`grouped_ffn`); "grouped_mm"
-    one `torch._grouped_mm` per projection (moe/grouped_mm.py; counts may then be a long
-    tensor on the device, no host sync); "auto" (default) the measured-faster one for the
-    device and dtype (moe/grouped_mm.py AUTO_IMPL). `counts` may always be a list of ints.
+    one `torch._grouped_mm` per projection (moe/grouped_mm.py; counts stay a long tensor on
+    the device, no host sync); "auto" (default) the measured-faster one for the device and
+    dtype (moe/grouped_mm.py AUTO_IMPL). Weights that are DTensors (tensor parallelism) or of
+    another dtype than the input run a third path of plain differentiable ops. Every path
+    runs every activation through the same `Activation` (moe/activations.py). `counts` may
+    be a long tensor or a list of ints.
     """
 
     def __init__(self, num_local: int, d_model: int, d_ff: int, activation: str = "gelu",
@@ -180,14 +146,10 @@ class ExpertBank(nn.Module):
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  experts_impl: str = "auto"):
         super().__init__()
-        check_activation(activation)
         check_experts_impl(experts_impl)
         self.experts_impl = experts_impl
-        if not swiglu_limit > 0:
-            raise ValueError(f"swiglu_limit={swiglu_limit!r} must be > 0 (GPT-OSS uses 7.0)")
-        self.activation = activation
-        self.act_fn, self.gated = ACTIVATIONS[activation]
-        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.act = Activation(activation, float(swiglu_alpha), float(swiglu_limit))
+        self.activation, self.gated = activation, self.act.gated
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
@@ -219,15 +181,14 @@ class ExpertBank(nn.Module):
 
     def impl_for(self, x_ND: torch.Tensor) -> str:
         """The path forward takes for this input: "grouped_mm", "loop" (fused loop) or "ops"
-        (plain differentiable ops: DTensor or mixed-dtype weights, clamped_swiglu loop)."""
+        (plain differentiable ops: DTensor or mixed-dtype weights)."""
         params = (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
         dev = x_ND.device.type
         autocast = torch.is_autocast_enabled(dev)
         if not _plain(x_ND, params, same_dtype=not autocast):
             return "ops"
         dt = torch.get_autocast_dtype(dev) if autocast else x_ND.dtype
-        impl = resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
-        return "ops" if impl == "loop" and self.act_fn is None else impl
+        return resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
 
     def weights(self) -> tuple:
         """(w1, w2, w3, b1, b2, b3), None where absent: what forward's `params` replaces."""
@@ -258,15 +219,8 @@ class ExpertBank(nn.Module):
 
     def _fused(self, impl, x_ND, counts, params):
         if impl == "loop":
-            return grouped_ffn(x_ND, counts, self.activation, *params)
-        return grouped_mm_ffn(x_ND, counts, self.act_fn, self._glu, _ACT_BACKWARD.get(self.act_fn),
-                              *params)
-
-    def _glu(self, h1_NF, h3_NF):
-        """The gated combination of the two projections (gated activations only)."""
-        if self.act_fn is None:
-            return clamped_swiglu(h1_NF, h3_NF, self.swiglu_alpha, self.swiglu_limit)
-        return self.act_fn(h1_NF) * h3_NF
+            return grouped_ffn(x_ND, counts, self.act, *params)
+        return grouped_mm_ffn(x_ND, counts, self.act, *params)
 
     def _forward_ops(self, x_ND: torch.Tensor, counts: list, params: tuple = None) -> torch.Tensor:
         """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),
@@ -283,10 +237,7 @@ class ExpertBank(nn.Module):
             h3_nF = None
             if self.gated:
                 h3_nF = x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e])
-            if self.act_fn is None:
-                h_nF = clamped_swiglu(h_nF, h3_nF, self.swiglu_alpha, self.swiglu_limit)
-            else:
-                h_nF = self.act_fn(h_nF) if h3_nF is None else self.act_fn(h_nF) * h3_nF
+            h_nF = self.act(h_nF, h3_nF)
             outs.append(h_nF @ w2[e] if b2 is None else torch.addmm(b2[e], h_nF, w2[e]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 

@@ -89,7 +89,7 @@ class _GroupedMMFFN(torch.autograd.Function):
     """All experts' FFNs as grouped GEMMs; saves h1 (h3) and a, like the loop path."""
 
     @staticmethod
-    def forward(ctx, x_ND, offs_E, act_fn, glu_fn, act_bwd, w1, w2, w3, b1, b2, b3):
+    def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3):
         N, gated = x_ND.shape[0], w3 is not None
         has_bias = any(b is not None for b in (b1, b2, b3))
         # expert of each row, only for biases: counts how many ends lie at or before the row
@@ -98,9 +98,9 @@ class _GroupedMMFFN(torch.autograd.Function):
                     if has_bias else None)
         h1 = _add_bias(_gmm(x_ND, w1, offs_E), b1, expert_N)
         h3 = _add_bias(_gmm(x_ND, w3, offs_E), b3, expert_N) if gated else None
-        a = glu_fn(h1, h3) if gated else act_fn(h1)
+        a = act(h1, h3)
         y_ND = _add_bias(_gmm(a, w2, offs_E), b2, expert_N)
-        ctx.act_fn, ctx.glu_fn, ctx.act_bwd = act_fn, glu_fn, act_bwd
+        ctx.act = act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
         ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, a)
         return y_ND
@@ -112,13 +112,13 @@ class _GroupedMMFFN(torch.autograd.Function):
         dy_ND = dy_ND.contiguous()
         gated = w3 is not None
         da = _gmm(dy_ND, w2.transpose(-2, -1), offs_E)
-        dh1, dh3 = _glu_backward(ctx.act_fn, ctx.glu_fn, ctx.act_bwd, da, h1, h3)
+        dh1, dh3 = ctx.act.backward(da, h1, h3)
         dx = dw1 = dw2 = dw3 = db1 = db2 = db3 = None
         if ctx.needs_input_grad[0]:
             dx = _gmm(dh1, w1.transpose(-2, -1), offs_E)
             if gated:
                 dx = dx + _gmm(dh3, w3.transpose(-2, -1), offs_E)
-        if any(ctx.needs_input_grad[5:]):
+        if any(ctx.needs_input_grad[3:]):
             dw1 = _gmm(x_ND.t(), dh1, offs_E)
             dw2 = _gmm(a.t(), dy_ND, offs_E)
             dw3 = _gmm(x_ND.t(), dh3, offs_E) if gated else None
@@ -126,37 +126,16 @@ class _GroupedMMFFN(torch.autograd.Function):
             db1, db2, db3 = (
                 x_ND.new_zeros(E, src.shape[-1]).index_add_(0, expert_N, src) if has else None
                 for has, src in zip(ctx.has_bias, (dh1, dy_ND, dh3)))
-        return dx, None, None, None, None, dw1, dw2, dw3, db1, db2, db3
+        return dx, None, None, dw1, dw2, dw3, db1, db2, db3
 
 
-def _glu_backward(act_fn, glu_fn, kernel, da, h1, h3):
-    """(dh1, dh3) from da = dL/d(activation output); kernel(grad, h) is the activation's
-    aten backward when there is one, else autograd runs on a recomputed activation."""
-    if h3 is None:
-        if kernel is not None:
-            return kernel(da, h1), None
-        return _autograd_grads(lambda h: act_fn(h), da, h1)[0], None
-    if kernel is not None:
-        return kernel(da * h3, h1), da * act_fn(h1)
-    return _autograd_grads(glu_fn, da, h1, h3)
-
-
-def _autograd_grads(fn, grad, *inputs):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in inputs]
-        return torch.autograd.grad(fn(*leaves), leaves, grad)
-
-
-def grouped_mm_ffn(x_ND, counts, act_fn, glu_fn, act_bwd, w1, w2, w3=None, b1=None, b2=None,
-                   b3=None):
+def grouped_mm_ffn(x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None):
     """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND via grouped GEMMs.
 
-    act_fn: the activation (ungated banks); glu_fn(h1, h3): the gated combination (gated
-    banks); act_bwd(grad, h1): act_fn's backward kernel or None (autograd recomputes).
-    counts: long [E] tensor (no host sync) or Python ints.
+    act: a moe.activations.Activation (its forward and backward). counts: long [E] tensor
+    (no host sync) or Python ints.
     """
     if len(counts) != w1.shape[0]:
         raise ValueError(f"counts has {len(counts)} entries for {w1.shape[0]} local experts")
     offs_E = offsets_from_counts(counts, x_ND.device)
-    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act_fn, glu_fn, act_bwd,
-                               w1, w2, w3, b1, b2, b3)
+    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act, w1, w2, w3, b1, b2, b3)

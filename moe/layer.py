@@ -9,13 +9,11 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function  # named ranges for traces; ~free when not profiling
 
-from .balance import (all_reduce_stats, check_balance_loss, local_terms, pooled_balance_loss,
-                      sequence_balance_loss)
-from .capacity import check_capacity_factor
+from .config import RoutingConfig
 from .dispatcher import LocalDispatcher
 from .experts import DenseFFN, ExpertBank, check_activation
-from .router import ROUTER_KINDS, Router
-from .scoring import SCORE_FUNCS, check_group_args
+from .losses import BalanceLoss
+from .router import Router
 from .stats import RoutingStats
 
 
@@ -24,58 +22,18 @@ FORCE_BALANCE_WARNING = ("MoELayer(force_balance=True): expert assignments are f
                          "not for training a real model")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python
-
-
-def _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_capacity_factor,
-                router, num_shared_experts):
-    for name, v in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
-        if not _is_int(v) or v < 1:
+def _check_layer_args(d_model, d_ff, num_shared_experts, shared_expert_gate, replica_slots):
+    """What the routing config does not check: sizes, shared experts, replicas."""
+    for name, v in (("d_model", d_model), ("d_ff", d_ff)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
-    if not _is_int(top_k) or top_k < 1:
-        raise ValueError(f"top_k={top_k!r} must be an integer >= 1")
-    if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}; "
-                         f"use top_k <= num_experts")
-    for name, cf in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-        check_capacity_factor(cf, name)
-    if router not in ROUTER_KINDS:
-        raise ValueError(f"router={router!r} is not supported; use one of {ROUTER_KINDS}")
     if num_shared_experts < 0:
         raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
-
-
-def _check_routing_args(router, top_k, num_experts, capacity_factor, score_func, norm_topk_prob,
-                        n_group, topk_group, routed_scaling_factor, expert_capacity,
-                        num_shared_experts, shared_expert_gate) -> int:
-    """Validate the routing options; returns topk_group resolved (None -> n_group)."""
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func={score_func!r} is not supported; use one of {SCORE_FUNCS}")
-    if norm_topk_prob not in (None, True, False):
-        raise ValueError(f"norm_topk_prob={norm_topk_prob!r} must be None (renormalise iff "
-                         f"top_k >= 2), True or False")
-    topk_group = check_group_args(num_experts, top_k, n_group, topk_group)
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
-            or not routed_scaling_factor > 0:
-        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a positive number")
-    if expert_capacity is not None:
-        if not _is_int(expert_capacity) or expert_capacity < 1:
-            raise ValueError(f"expert_capacity={expert_capacity!r} must be a positive integer or None")
-        if capacity_factor is not None:
-            raise ValueError(f"expert_capacity={expert_capacity} and capacity_factor="
-                             f"{capacity_factor} both set the capacity; pass only one")
-    if router == "expert_choice":
-        if n_group > 1:
-            raise ValueError(f"n_group={n_group} limits each token's experts to some groups, but "
-                             f"router='expert_choice' lets experts pick tokens; use n_group=1 "
-                             f"or router='token_choice'")
-        if norm_topk_prob:
-            raise ValueError("norm_topk_prob=True renormalises a token's top-k gates, which "
-                             "router='expert_choice' does not have; leave it None")
     if shared_expert_gate and num_shared_experts == 0:
         raise ValueError("shared_expert_gate=True needs shared experts; set num_shared_experts >= 1")
-    return topk_group
+    if not isinstance(replica_slots, int) or isinstance(replica_slots, bool) or replica_slots < 0:
+        raise ValueError(f"replica_slots={replica_slots!r} must be an integer >= 0 (0 = no "
+                         f"hot-expert replicas)")
 
 
 def _mask_GS(token_mask, shape, x_GSD):
@@ -114,7 +72,7 @@ class MoELayer(nn.Module):
       expert_capacity: a fixed number of assignments per expert per routing group, in train
           and eval (Switch checkpoints' expert_capacity); instead of capacity_factor.
       balance_loss: "sequence" (default), "micro_batch" or "global_batch": the tokens the
-          load-balance loss averages over (moe/balance.py). The last two count over the
+          load-balance loss averages over (moe/losses.py). The last two count over the
           ranks of `set_balance_group(group)`; "global_batch" also over the micro-batches
           since `reset_balance_window()`.
       experts_impl: "auto" (default), "loop" or "grouped_mm": how the experts run (moe/
@@ -149,37 +107,21 @@ class MoELayer(nn.Module):
                  experts_impl: str = "auto", force_balance: bool = False,
                  replica_slots: int = 0):
         super().__init__()
-        eval_cf = capacity_factor if eval_capacity_factor == "same" else eval_capacity_factor
-        _check_args(d_model, d_ff, num_experts, top_k, capacity_factor, eval_cf, router,
-                    num_shared_experts)
-        topk_group = _check_routing_args(
-            router, top_k, num_experts, capacity_factor, score_func, norm_topk_prob, n_group,
-            topk_group, routed_scaling_factor, expert_capacity, num_shared_experts,
-            shared_expert_gate)
+        config = RoutingConfig(
+            num_experts=num_experts, top_k=top_k, kind=router, capacity_factor=capacity_factor,
+            eval_capacity_factor=eval_capacity_factor, expert_capacity=expert_capacity,
+            jitter=jitter, score_func=score_func, norm_topk_prob=norm_topk_prob, n_group=n_group,
+            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+            router_bias=router_bias, logits_dtype=logits_dtype, score_dtype=score_dtype,
+            force_balance=force_balance, balance_loss=balance_loss)
+        _check_layer_args(d_model, d_ff, num_shared_experts, shared_expert_gate, replica_slots)
         check_activation(activation)
-        check_balance_loss(balance_loss, router)
-        if force_balance not in (True, False):
-            raise ValueError(f"force_balance={force_balance!r} must be True or False")
-        if force_balance and router != "token_choice":
-            raise ValueError(f"force_balance=True spreads token-choice assignments; router="
-                             f"{router!r} is balanced by construction: use router='token_choice'")
         if force_balance:
             warnings.warn(FORCE_BALANCE_WARNING, stacklevel=2)
-        if not _is_int(replica_slots) or replica_slots < 0:
-            raise ValueError(f"replica_slots={replica_slots!r} must be an integer >= 0 (0 = no "
-                             f"hot-expert replicas)")
         self.replica_slots = replica_slots
-        self.balance_loss = balance_loss
-        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_cf
+        self.d_model, self.d_ff = d_model, d_ff
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = Router(d_model, num_experts, top_k, router, jitter, init_std,
-                             score_func=score_func, norm_topk_prob=norm_topk_prob,
-                             n_group=n_group, topk_group=topk_group,
-                             routed_scaling_factor=routed_scaling_factor,
-                             router_bias=router_bias, logits_dtype=logits_dtype,
-                             score_dtype=score_dtype, expert_capacity=expert_capacity,
-                             force_balance=force_balance)
+        self.router = Router(d_model, config, init_std)
         glu = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.experts = ExpertBank(num_experts, d_model, d_ff, activation, expert_bias,
                                   init_std, out_init_std, experts_impl=experts_impl, **glu)
@@ -188,17 +130,21 @@ class MoELayer(nn.Module):
             self.shared_experts = DenseFFN(d_model, (shared_d_ff or d_ff) * num_shared_experts,
                                            activation, expert_bias, init_std,
                                            output_gate=shared_expert_gate, **glu)
+        self.balance = BalanceLoss(balance_loss, num_experts, top_k)
         self.dispatcher = LocalDispatcher(num_experts)
-        # global_batch: assignments per expert and token count since reset_balance_window()
-        self.register_buffer("balance_window", torch.zeros(num_experts + 1, dtype=torch.long),
-                             persistent=False)
-        self.balance_group = None
         self.ep_group = None
         self.aux_loss = torch.zeros(())
         self.aux_losses = {}
         self.last_stats = None
         if ep_group is not None:
             self.set_ep_group(ep_group)
+
+    # the routing settings, read from the one config the router consumes
+    num_experts = property(lambda self: self.router.config.num_experts)
+    top_k = property(lambda self: self.router.config.top_k)
+    capacity_factor = property(lambda self: self.router.config.capacity_factor)
+    eval_capacity_factor = property(lambda self: self.router.config.eval_capacity_factor)
+    balance_loss = property(lambda self: self.router.config.balance_loss)
 
     def set_ep_group(self, ep_group) -> None:
         """Keep only this rank's experts [r*E/P, (r+1)*E/P) and exchange tokens over ep_group."""
@@ -208,17 +154,17 @@ class MoELayer(nn.Module):
     @property
     def force_balance(self) -> bool:
         """True when routing is overridden by force_balance (benchmarking, not training)."""
-        return self.router.force_balance
+        return self.router.config.force_balance
 
     def set_balance_group(self, group) -> None:
         """Data-parallel ranks over which micro_batch/global_batch balance losses count tokens
         (None: this process only). Handed in by the parallel setup, never read from a global."""
-        self.balance_group = group
+        self.balance.group = group
 
     def reset_balance_window(self) -> None:
         """Start a new global_batch window (call once per optimizer step, before its first
         micro-batch)."""
-        self.balance_window.zero_()
+        self.balance.reset_window()
 
     def forward(self, x: torch.Tensor, token_mask=None) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.d_model:
@@ -232,18 +178,14 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with record_function("moe.router"):
             routing = self.router(x_GSD, cf)
-            # per-sequence balance without a mask needs no communication: every data-parallel
-            # rank holds the same number of sequences, so the dp mean of the local means is
-            # the global mean; a mask (or a pooled variant) makes the counts differ per rank
-            if routing.probs_GSE is not None and (token_mask is not None
-                                                  or self.balance_loss != "sequence"):
+            losses = {}
+            if routing.probs_GSE is not None:  # token choice (expert choice is balanced)
                 mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)
-                routing.aux_losses["load_balance"] = self._balance(routing, mask_GS)
+                losses["load_balance"] = self.balance(routing.probs_GSE, routing.ids_GSK, mask_GS)
+            losses["z_loss"] = routing.z_loss
         x_TD = x_GSD.reshape(-1, D)
         with record_function("moe.dispatch"):
-            # counts stay on the device when the experts take device offsets (grouped_mm)
-            host = self.experts.impl_for(x_TD) != "grouped_mm"
-            x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, host_counts=host)
+            x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
         with record_function("moe.experts"):
             y_ND = self.experts(x_ND, counts_E,
                                 lambda weights: self.dispatcher.expert_weights(weights, meta))
@@ -252,25 +194,13 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             with record_function("moe.shared_experts"):
                 y_TD = y_TD + self.shared_experts(x_TD)
-        self._record(routing, meta)
+        self._record(routing, meta, losses)
         return y_TD.reshape(shape)
 
-    def _balance(self, routing, mask_GS):
-        probs_GSE, ids_GSK = routing.probs_GSE, routing.ids_GSK
-        if self.balance_loss == "sequence":
-            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.balance_group)
-        stats, psum_E = local_terms(probs_GSE, ids_GSK, mask_GS)
-        stats, world = all_reduce_stats(stats, self.balance_group)
-        f_stats = stats
-        if self.balance_loss == "global_batch" and self.training:
-            self.balance_window += stats.to(self.balance_window.device)
-            f_stats = self.balance_window
-        return pooled_balance_loss(psum_E, f_stats, int(stats[-1]), world, self.top_k)
-
-    def _record(self, routing, meta) -> None:
-        self.aux_losses = routing.aux_losses
+    def _record(self, routing, meta, losses: dict) -> None:
+        self.aux_losses = losses
         coefs = {"load_balance": self.aux_loss_coef, "z_loss": self.z_loss_coef}
-        self.aux_loss = sum(coefs[k] * v for k, v in routing.aux_losses.items())
+        self.aux_loss = sum(coefs[k] * v for k, v in losses.items())
         with torch.no_grad():
             self.last_stats = RoutingStats(routing.routed_E.detach(), routing.kept_E.detach(),
                                            routing.num_tokens, self.top_k, routing.entropy,
@@ -288,7 +218,7 @@ class MoELayer(nn.Module):
 
     def routing_summary(self) -> str:
         """One line with every routing semantic of this layer (printed by train.py at start)."""
-        r = self.router
+        r = self.router.config
         parts = [f"E={self.num_experts} top_k={self.top_k} {r.kind} {r.score_func}",
                  f"norm_topk_prob={r.norm_topk_prob}",
                  f"capacity_factor={self.capacity_factor}",
@@ -299,7 +229,7 @@ class MoELayer(nn.Module):
             parts.append(f"groups={r.n_group} keep {r.topk_group}")
         if r.routed_scaling_factor != 1.0:
             parts.append(f"routed_scaling={r.routed_scaling_factor:g}")
-        if r.bias is not None:
+        if r.router_bias:
             parts.append("router_bias")
         if self.shared_experts is not None:
             gated = self.shared_experts.gate is not None

@@ -20,7 +20,7 @@ class Routing:
     slots_per_token: int        # K for token choice (0 for expert-choice)
     num_tokens: int             # T
     routed_E: torch.Tensor      # long [E]: assignments each expert was chosen for, before capacity
-    aux_losses: dict            # name -> unweighted scalar loss
+    z_loss: torch.Tensor        # scalar: the router z-loss of the logits (unweighted)
     entropy: torch.Tensor       # fp32 scalar: mean per-token entropy of router probabilities
     probs_GSE: Optional[torch.Tensor] = None  # scores as a distribution (balance-loss P), token choice
     ids_GSK: Optional[torch.Tensor] = None    # long: chosen experts before capacity, token choice

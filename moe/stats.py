@@ -16,8 +16,8 @@ class RoutingStats:
     top_k: int
     entropy: torch.Tensor    # mean per-token entropy of the router probabilities (nats)
     # long [P]: rows each rank of the expert-parallel group received (after hot-expert
-    # replication), and what it would have received without replicas; the same on every
-    # rank of the group. One process: [1], all kept rows.
+    # replication; the same on every rank of the group; one process: [1], all kept rows),
+    # and what each would have received without replicas: None when no rank held a replica.
     rank_rows: Optional[torch.Tensor] = None
     rank_rows_unreplicated: Optional[torch.Tensor] = None
 
@@ -39,7 +39,9 @@ class RoutingStats:
 
     @property
     def rank_imbalance_unreplicated(self) -> float:
-        return _max_over_mean(self.rank_rows_unreplicated)
+        """rank_imbalance without the replicas (the same when there were none)."""
+        return _max_over_mean(self.rank_rows if self.rank_rows_unreplicated is None
+                              else self.rank_rows_unreplicated)
 
     @property
     def dead_experts(self) -> list:

@@ -12,13 +12,12 @@ sees them.
 """
 import torch
 
-from moe.all_to_all import CommCounter
 from moe.aux import moe_layers
 from moe.ep_dispatcher import EXPERT_PARAM_ATTR, check_shardable, shard_layer_experts
 
 from .dtensors import like_param
 
-__all__ = ["apply_expert_parallel", "is_expert_param", "comm_counters", "expert_checkpoint_transforms"]
+__all__ = ["apply_expert_parallel", "is_expert_param", "expert_checkpoint_transforms"]
 
 
 def is_expert_param(name_or_param) -> bool:
@@ -33,13 +32,12 @@ def is_expert_param(name_or_param) -> bool:
     return bool(getattr(name_or_param, EXPERT_PARAM_ATTR, False))
 
 
-def apply_expert_parallel(model, ep_group, counters: bool = True) -> list:
+def apply_expert_parallel(model, ep_group) -> list:
     """Shard the experts of every MoELayer in `model` over `ep_group` (in place).
 
     The model must hold full, identical weights on all ranks (or still be on the meta
     device); each rank keeps its slice. All layers are checked before any is changed.
-    Returns [(name, layer)]. Each layer gets its own CommCounter at
-    `layer.dispatcher.counter` when counters is True.
+    Returns [(name, layer)]. Their all-to-all bytes are counted by parallel/ledger.py.
     """
     layers = moe_layers(model)
     if not layers:
@@ -51,13 +49,8 @@ def apply_expert_parallel(model, ep_group, counters: bool = True) -> list:
         except ValueError as e:
             raise ValueError(f"{name or 'the layer'}: {e}") from None
     for _, layer in layers:
-        shard_layer_experts(layer, ep_group, CommCounter() if counters else None)
+        shard_layer_experts(layer, ep_group)
     return layers
-
-
-def comm_counters(model) -> dict:
-    """{layer name: CommCounter} of the expert-parallel layers of `model`."""
-    return {n: m.dispatcher.counter for n, m in moe_layers(model) if hasattr(m.dispatcher, "counter")}
 
 
 def expert_checkpoint_transforms(model, meshes):

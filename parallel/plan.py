@@ -18,6 +18,13 @@ PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
 OFFLOADS = ("none", "optimizer", "params")
+def _toml(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+# settings the start-up layout line shows when they differ from the default
+_SHOWN_IF_SET = ("recompute", "compile", "offload", "zeropp_quantize_weights", "zeropp_hpz",
+                 "zeropp_quantize_grads")
 
 
 @dataclass
@@ -37,6 +44,17 @@ class ParallelPlan:
     zeropp_quantize_weights: bool = field(default=False, metadata={"help": "ZeRO++ qwZ: zero-3 parameter all-gathers in block-quantized int8 (zero 3)"})
     zeropp_hpz: int = field(default=0, metadata={"help": "ZeRO++ hpZ: ranks per node; after forward keep a secondary parameter shard over that many consecutive dp ranks so backward gathers stay in the node (zero 3; 0 = off)"})
     zeropp_quantize_grads: bool = field(default=False, metadata={"help": "ZeRO++ qgZ: gradient reduce-scatter as an all-to-all of block-quantized int8 (zero 2, 3)"})
+
+    def summary(self) -> str:
+        """The layout in one line (train.py's start-up line): degrees, then every setting that
+        is not at its default, so a user can confirm offload / ZeRO++ / schedule are on."""
+        s = (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} zero={self.zero} "
+             f"precision={self.precision}")
+        if self.pp > 1:
+            s += f" pp_schedule={self.pp_schedule} microbatches={self.microbatches or self.pp}"
+        extras = [f"{f.name}={_toml(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                  if f.name in _SHOWN_IF_SET and getattr(self, f.name) != f.default]
+        return " ".join([s] + extras)
 
     # ---- derived sizes (valid after validate()) ----
     @property

@@ -55,8 +55,33 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 300) -> DistCon
         return DistContext(0, 1, 0, device, "")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = restart_safe_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=world)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def restart_safe_store(timeout):
+    """The store of this worker group under torchrun's shared rendezvous store, or None.
+
+    With `--standalone` (or any c10d rendezvous whose TCP store is shared with the workers,
+    TORCHELASTIC_USE_AGENT_STORE=True) torchrun keeps ONE store server for every restart
+    attempt, and torch's env:// init connects to it without a per-attempt prefix. A restarted
+    group then reads the previous attempt's gloo addresses under the same keys and hangs in
+    connectFullMesh (upstream pytorch 167288, 135712). Keying everything (the default group,
+    every subgroup and mesh built on it) under the attempt number
+    (TORCHELASTIC_RESTART_COUNT) gives each attempt keys of its own on the same server.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # a store of its own per launch (or no torchrun): env:// is safe
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    server = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moekit/attempt_{attempt}", server)
 
 
 def barrier(ctx: DistContext) -> None:

@@ -32,7 +32,7 @@ from .metrics import MetricsLogger
 from .model import build_model, init_fn, task_arch
 from .optim import WarmupCosine, build_optimizer
 from .peak_memory import PeakMemory
-from .run_dir import clear_run, prepare_run
+from .run_dir import AUTO, clear_run, prepare_run, remove_unused_auto_dir
 from .stops import Diverged, Preempted, StopRequest, Stopped
 from .tasks import Task, sentinels_needed, token_loss
 
@@ -106,12 +106,19 @@ def check_splits(cfg, train_sequences: int, val_sequences: int, dp: int) -> None
 
 def _run(cfg, ctx) -> int:
     plan = validate(cfg, ctx.world_size)
+    fresh_auto = cfg.run.dir == AUTO
     cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0; locked
+    fresh_auto = fresh_auto and resume_from is None
+    ok = False
     try:
-        return _train(cfg, ctx, plan, resume_from)
+        code = _train(cfg, ctx, plan, resume_from)
+        ok = True
+        return code
     finally:
         if ctx.is_main:
             lock.release(cfg.run.dir)
+            if fresh_auto and not ok:
+                remove_unused_auto_dir(Path(cfg.run.dir))
 
 
 def _train(cfg, ctx, plan, resume_from) -> int:
@@ -168,8 +175,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
 
 def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> None:
     counts = models.count_params(model)
-    log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout dp={plan.dp} "
-             f"tp={plan.tp} pp={plan.pp} ep={plan.ep} zero={plan.zero} precision={plan.precision}")
+    log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout {plan.summary()}")
     log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
              f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
              f"{len(models.moe_layers(model))} MoE layer(s)")
@@ -241,7 +247,8 @@ class Trainer:
                 self.log.info(f"step {n}: fp16 gradient overflow, step skipped; loss scale "
                               f"{scale:g} -> {self.scaler.scale_value:g}")
         self._count_divergence(n, diverged, overflow)
-        if self._due(n, self.cfg.train.eval_every) and not self.in_a_row:
+        if self._due(n, self.cfg.train.eval_every, at_end=self.cfg.train.eval_every > 0) \
+                and not self.in_a_row:
             rec["val_loss"] = self.evaluate()
         self.log.log_step(rec)
         if self.in_a_row:

@@ -119,14 +119,15 @@ class MetricsLogger:
             self.tb.add_scalar(f"{tag}/dead_experts", len(st.dead_experts), step)
             self._expert_histogram(f"{tag}/expert_load", counts_E, step)
             if st.rank_rows is not None and st.rank_rows.numel() > 1:
-                # rows per expert-parallel rank (what the step waits for), with and without
-                # hot-expert replication (moe.replica_slots); equal when it is off
+                # rows per expert-parallel rank (what the step waits for), and with hot-expert
+                # replication (moe.replica_slots) what they would be without it
                 self.tb.add_scalar(f"{tag}/rank_imbalance", st.rank_imbalance, step)
+                for p, n in enumerate(st.rank_rows.tolist()):
+                    self.tb.add_scalar(f"{tag}/rank_rows/{p}", n, step)
+            if st.rank_rows_unreplicated is not None:
                 self.tb.add_scalar(f"{tag}/rank_imbalance_unreplicated",
                                    st.rank_imbalance_unreplicated, step)
-                for p, (n, n0) in enumerate(zip(st.rank_rows.tolist(),
-                                                st.rank_rows_unreplicated.tolist())):
-                    self.tb.add_scalar(f"{tag}/rank_rows/{p}", n, step)
+                for p, n0 in enumerate(st.rank_rows_unreplicated.tolist()):
                     self.tb.add_scalar(f"{tag}/rank_rows_unreplicated/{p}", n0, step)
 
     def _expert_histogram(self, tag: str, counts_E, step: int) -> None:

@@ -13,7 +13,7 @@ batch's expert counts ("rank max/mean": without -> with replication).
 import argparse
 import sys
 
-from moe.profile import profile_model
+from moe.profiling import profile_model
 
 from .config import ConfigError, load_config
 from .model import build_model, init_fn, task_arch
@@ -114,7 +114,7 @@ def _trace(model, cfg, arch, device, out_dir) -> None:
     from data.prepare import prepared_dir
     from data.sampler import eval_indices, open_split
     from moe.aux import collect_aux_loss
-    from moe.trace import print_breakdown, trace_step
+    from moe.profiling import print_breakdown, trace_step
 
     from .tasks import Task
     val = open_split(prepared_dir(cfg.data), "val", cfg.data.seq_len)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from data.sampler import eval_indices
-from moe.profile import profile_model
+from moe.profiling import profile_model
 
 
 def model_inputs(task_arch: str, batch):

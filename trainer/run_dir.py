@@ -59,9 +59,10 @@ def prepare_run(cfg, ctx):
         how += f"resuming {resume_from.name}" if resume_from else "from step 0"
         print(f"run dir: {cfg.run.dir} ({how})", flush=True)
         if cfg.train.resume and resume_from is None:
-            where = (f"no {AUTO_ROOT}/{_name(cfg)}-NNN" if auto else f"run.dir={cfg.run.dir!r}")
-            print(f"train.resume=true, but {where} holds a complete checkpoint: starting from "
-                  f"scratch", flush=True)
+            where = (f"no {AUTO_ROOT}/{_name(cfg)}-NNN holds a" if auto
+                     else f"run.dir={cfg.run.dir!r} holds no")
+            print(f"train.resume=true, but {where} complete checkpoint: starting from scratch",
+                  flush=True)
     return cfg, resume_from
 
 
@@ -152,6 +153,25 @@ def plan_start(cfg, world_size: int):
 
 def _warn(line: str) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+# what a run writes before its first step (besides the lock, released before this is used)
+_BEFORE_FIRST_STEP = ("config.toml", "metrics.jsonl")
+
+
+def remove_unused_auto_dir(run_dir: Path) -> None:
+    """A run.dir=auto directory made by a run that failed before its first step (no data, a
+    bad layout): removed, so failures do not leave empty runs/<name>-NNN behind. Only files
+    this run wrote before step 1 are removed; anything else keeps the directory."""
+    if holds_run(run_dir):
+        return
+    for name in _BEFORE_FIRST_STEP:
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "tb", ignore_errors=True)
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # something else is in it: keep it
 
 
 def clear_run(run_dir: Path) -> None:

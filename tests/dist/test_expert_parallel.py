@@ -21,7 +21,7 @@ import torch.nn as nn
 from moe import MoELayer
 from moe.all_to_all import all_to_all
 from parallel.apply import parallelize
-from parallel.expert import apply_expert_parallel, comm_counters, is_expert_param
+from parallel.expert import apply_expert_parallel, is_expert_param
 from parallel.mesh import build_meshes
 from parallel.plan import ParallelPlan
 from tests.dist.harness import run_distributed
@@ -74,7 +74,9 @@ def _layer_case(rank, P, meshes, E, k, cf, act, force, bias, rows, router="token
 
     sl = slice(rank * B, (rank + 1) * B)
     x = x_all[sl].clone().requires_grad_()
-    y = ep(x)
+    with par.recording_comm():  # the forward's collectives, by kind (parallel/ledger.py)
+        y = ep(x)
+    fwd_bytes = par.ledger.take()
     ((y * g_all[sl]).sum() + ep.aux_loss).backward()  # gradients reduced at its end
 
     L = E // P
@@ -98,8 +100,10 @@ def _layer_case(rank, P, meshes, E, k, cf, act, force, bias, rows, router="token
     rows.append((name, "global kept_E", float((stats.kept_E != ref.last_stats.kept_E).sum()), 0))
     rows.append((name, "global entropy", abs(float(stats.entropy - ref.last_stats.entropy)), 1e-6))
     # Bytes: each kept row goes out once in dispatch and once back in combine, no padding
-    # (per rank the combine returns the rows it received, so compare group totals).
-    payload = torch.tensor([comm_counters(ep)[""].payload_bytes], device=dev)
+    # (per rank the combine returns the rows it received, so compare group totals); the
+    # dispatch first exchanges a [P, E] long count table.
+    counts_table = P * E * 8
+    payload = torch.tensor([fwd_bytes.get("expert_all_to_all", 0) - counts_table], device=dev)
     dist.all_reduce(payload)
     kept = int(stats.kept_E.sum())
     rows.append((name, "payload bytes - 2*kept rows", abs(int(payload) - 2 * kept * D * x.element_size()), 0))

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from moe import MoELayer
 from parallel.expert import apply_expert_parallel
+from parallel.ledger import CommLedger
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -81,11 +82,14 @@ def _layer_rows(rank, P, E, R, act, cf, rows):
     g = torch.Generator().manual_seed(10 + rank)
     x = torch.randn(B, S, 5, generator=g)
     gy = torch.randn(B, S, 3, generator=g)
-    out = {}
+    out, moved = {}, {}
+    ledger = CommLedger({"ep": dist.group.WORLD})
     for tag, net in (("base", base), ("rep", rep)):
         xi = x.clone().requires_grad_()
-        y = net(xi)
-        ((y * gy).sum() + net.moe.aux_loss).backward()
+        with ledger.recording():
+            y = net(xi)
+            ((y * gy).sum() + net.moe.aux_loss).backward()
+        moved[tag] = ledger.take().get("expert_all_to_all", 0)
         out[tag] = (y, xi.grad, net)
     (y0, gx0, n0), (y1, gx1, n1) = out["base"], out["rep"]
     rows.append((name, "output", _err(y1, y0), 1))
@@ -99,8 +103,9 @@ def _layer_rows(rank, P, E, R, act, cf, rows):
     before, after = st0.rank_imbalance, st1.rank_imbalance
     rows.append((name, f"skewed without replicas (max/mean {before:.2f} >= 1.3)", float(before < 1.3), 0))
     rows.append((name, f"max/mean improves {before:.2f} -> {after:.2f} <= 1.15", float(after > 1.15), 0))
-    moved = n1.moe.dispatcher.replica_counter.payload_bytes
-    moved_all = torch.tensor([moved])
+    # the same token rows move either way: the difference is the replica weights (forward)
+    # and their gradients (backward), counted at the torch.distributed boundary
+    moved_all = torch.tensor([moved["rep"] - moved["base"]])
     dist.all_reduce(moved_all)
     rows.append((name, "replica weights moved", float(int(moved_all) == 0), 0))
     sd0, sd1 = n0.state_dict(), n1.state_dict()

@@ -17,7 +17,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 def _model():
     import transformers
-    from moe.swap import moefy
+    from moe.hf import moefy
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=2, n_inner=FF, vocab_size=V,

@@ -25,7 +25,7 @@ def expert_ffn(bank, e: int, x_D: torch.Tensor) -> torch.Tensor:
     h_F = x_D @ bank.w1[e] + (0 if bank.b1 is None else bank.b1[e])
     if bank.activation == "clamped_swiglu":
         up_F = x_D @ bank.w3[e] + (0 if bank.b3 is None else bank.b3[e])
-        h_F = clamped_swiglu_by_hand(h_F, up_F, bank.swiglu_alpha, bank.swiglu_limit)
+        h_F = clamped_swiglu_by_hand(h_F, up_F, bank.act.alpha, bank.act.limit)
     else:
         act, gated = ACTS[bank.activation]
         h_F = act(h_F)
@@ -37,11 +37,11 @@ def expert_ffn(bank, e: int, x_D: torch.Tensor) -> torch.Tensor:
 def router_probs(layer, x_TD: torch.Tensor) -> tuple:
     """(logits, scores) per token: in at least fp32 (or the router's pinned dtypes);
     scores are softmax or an element-wise sigmoid of the logits (+ router bias)."""
-    r = layer.router
+    r = layer.router.config
     dt = r.logits_dtype or torch.promote_types(x_TD.dtype, torch.float32)
-    logits_TE = x_TD.to(dt) @ r.weight.to(dt).t()
-    if r.bias is not None:
-        logits_TE = logits_TE + r.bias.to(dt)
+    logits_TE = x_TD.to(dt) @ layer.router.weight.to(dt).t()
+    if layer.router.bias is not None:
+        logits_TE = logits_TE + layer.router.bias.to(dt)
     z_TE = logits_TE.to(r.score_dtype or dt)
     if r.score_func == "sigmoid":
         return logits_TE, 1 / (1 + torch.exp(-z_TE))
@@ -64,8 +64,8 @@ def token_choice_assignments(layer, probs_GSE, capacity_factor):
     Precedence: all first choices of the group (in token order), then all second choices...
     """
     G, S, E = probs_GSE.shape
-    K, r = layer.top_k, layer.router
-    bias_E = r.selection_bias
+    K, r = layer.top_k, layer.router.config
+    bias_E = layer.router.selection_bias
     normalize = K > 1 if r.norm_topk_prob is None else r.norm_topk_prob
     choices = [[None] * S for _ in range(G)]
     for g in range(G):
@@ -103,7 +103,7 @@ def expert_choice_assignments(layer, probs_GSE, capacity_factor):
         for e in range(E):
             col = [float(probs_GSE[g, s, e].detach()) for s in range(S)]
             for s in sorted(range(S), key=lambda s: -col[s])[:C]:
-                kept.append((g, s, e, probs_GSE[g, s, e] * layer.router.routed_scaling_factor))
+                kept.append((g, s, e, probs_GSE[g, s, e] * layer.router.config.routed_scaling_factor))
     return kept
 
 
@@ -120,7 +120,7 @@ def reference_moe(layer, x: torch.Tensor, capacity_factor="layer"):
     probs_GSE = probs_TE.reshape(G, S, E)
     rows = [[torch.zeros(D, dtype=probs_TE.dtype) for _ in range(S)] for _ in range(G)]
     aux = {"z_loss": (torch.logsumexp(logits_TE, -1) ** 2).mean()}
-    if layer.router.kind == "expert_choice":
+    if layer.router.config.kind == "expert_choice":
         kept = expert_choice_assignments(layer, probs_GSE, capacity_factor)
         for g, s, e, gate in kept:
             rows[g][s] = rows[g][s] + gate * expert_ffn(layer.experts, e, x_GSD[g, s]).to(gate.dtype)
@@ -129,7 +129,7 @@ def reference_moe(layer, x: torch.Tensor, capacity_factor="layer"):
         for g, s, k, e, gate in kept:
             rows[g][s] = rows[g][s] + gate * expert_ffn(layer.experts, e, x_GSD[g, s]).to(gate.dtype)
         P_GSE = probs_GSE
-        if layer.router.score_func == "sigmoid":  # balance losses see scores summing to 1
+        if layer.router.config.score_func == "sigmoid":  # balance losses see scores summing to 1
             P_GSE = probs_GSE / probs_GSE.sum(-1, keepdim=True)
         aux["load_balance"] = load_balance_by_hand(P_GSE, choices)
     y_GSD = torch.stack([torch.stack(r) for r in rows]).to(x.dtype)

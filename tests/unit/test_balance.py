@@ -1,4 +1,4 @@
-"""Balance-loss variants (moe/balance.py) against naive per-token formulas, one process.
+"""Balance-loss variants (moe/losses.py) against naive per-token formulas, one process.
 
 Shapes: G routing groups, S tokens per group, D model dim, E experts, K top-k.
 """
@@ -19,7 +19,7 @@ def x64(seed=0, g=G):
 def naive_terms(layer, x, mask=None):
     """Per token t: P row (balance probabilities) and the chosen experts, from the reference."""
     _, scores = router_probs(layer, x.reshape(-1, D))
-    if layer.router.score_func == "sigmoid":
+    if layer.router.config.score_func == "sigmoid":
         scores = scores / scores.sum(-1, keepdim=True)
     _, choices = token_choice_assignments(layer, scores.reshape(*x.shape[:2], E).detach(), None)
     rows = []
@@ -93,13 +93,13 @@ def test_global_batch_window_accumulates_until_reset():
     rows_a, rows_b = naive_terms(layer, xa), naive_terms(layer, xb)
     want = naive_pooled(rows_b, 2, counts_rows=rows_a + rows_b)
     assert float(layer.aux_losses["load_balance"].detach()) == pytest.approx(float(want.detach()), rel=1e-12)
-    assert int(layer.balance_window[-1]) == 2 * G * S
+    assert int(layer.balance.window[-1]) == 2 * G * S
     layer.reset_balance_window()
     layer(xb)
     assert float(layer.aux_losses["load_balance"].detach()) == pytest.approx(float(naive_pooled(rows_b, 2).detach()), rel=1e-12)
     layer.eval()
     layer(xa)
-    assert int(layer.balance_window[-1]) == G * S  # eval forwards leave the window alone
+    assert int(layer.balance.window[-1]) == G * S  # eval forwards leave the window alone
 
 
 def test_default_is_unchanged_and_mask_errors():
@@ -126,8 +126,8 @@ def test_model_wide_helpers():
     model = torch.nn.Sequential(make_layer(2, balance_loss="global_batch"),
                                 make_layer(2, balance_loss="global_batch")).train()
     model(x64())
-    assert all(int(m.balance_window[-1]) == G * S for _, m in moe_layers(model))
+    assert all(int(m.balance.window[-1]) == G * S for _, m in moe_layers(model))
     reset_balance_windows(model)
-    assert all(int(m.balance_window.sum()) == 0 for _, m in moe_layers(model))
+    assert all(int(m.balance.window.sum()) == 0 for _, m in moe_layers(model))
     set_balance_group(model, None)
-    assert all(m.balance_group is None for _, m in moe_layers(model))
+    assert all(m.balance.group is None for _, m in moe_layers(model))

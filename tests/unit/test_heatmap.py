@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from moe.heatmap import heatmap_figure, save_heatmap
+from moe.profiling import heatmap_figure, save_heatmap
 
 
 @pytest.mark.parametrize("E", [4, 8, 16])

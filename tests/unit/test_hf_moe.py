@@ -4,6 +4,7 @@ Tolerances (relative to the largest |logit|): fp64 1e-10, fp32 1e-5. Seen: fp64 
 fp32 <= 8e-7 (summation order only; see the table printed by `pytest -s`).
 """
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -46,13 +47,18 @@ def test_generate_matches(family):
 
 # one routing setting changed after conversion must change the logits: the comparison above
 # is sensitive to exactly the settings moefy reads from the config
+def _set(**changes):
+    """A router mutation: the router's frozen RoutingConfig with `changes`."""
+    return lambda r: setattr(r, "config", dataclasses.replace(r.config, **changes))
+
+
 MUTATIONS = {
-    "mixtral": lambda r: setattr(r, "norm_topk_prob", False),
-    "qwen2_moe": lambda r: setattr(r, "norm_topk_prob", True),
-    "olmoe": lambda r: setattr(r, "norm_topk_prob", True),
-    "deepseek_v3": lambda r: setattr(r, "routed_scaling_factor", 1.0),
+    "mixtral": _set(norm_topk_prob=False),
+    "qwen2_moe": _set(norm_topk_prob=True),
+    "olmoe": _set(norm_topk_prob=True),
+    "deepseek_v3": _set(routed_scaling_factor=1.0),
     "ernie4_5_moe": lambda r: r.selection_bias.zero_(),
-    "switch_transformers": lambda r: setattr(r, "expert_capacity", None),
+    "switch_transformers": _set(expert_capacity=None),
 }
 
 
@@ -68,8 +74,9 @@ def test_comparison_sees_each_routing_setting(family):
 
 
 def test_deepseek_group_limit_and_gpt_oss_swiglu_matter():
-    for family, change in (("deepseek_v3", lambda m: setattr(m.router, "n_group", 1)),
-                           ("gpt_oss", lambda m: setattr(m.experts, "swiglu_limit", 100.0))):
+    for family, change in (("deepseek_v3", lambda m: _set(n_group=1, topk_group=1)(m.router)),
+                           ("gpt_oss", lambda m: setattr(m.experts, "act", dataclasses.replace(
+                               m.experts.act, limit=100.0)))):
         model = build(family)
         ref = logits(model, family)
         converted = moefy(model)
@@ -81,7 +88,7 @@ def test_deepseek_group_limit_and_gpt_oss_swiglu_matter():
 def test_blocks_are_freed_one_by_one():
     """Each HF block is gone as soon as its MoELayer is installed (one layer's worth of
     expert weights at most exists twice)."""
-    from moe.adapters import mixtral
+    from moe.hf.adapters import mixtral
     model = build("mixtral")
     blocks = [weakref.ref(layer.mlp) for layer in model.model.layers]
     alive_at_install = []
@@ -144,7 +151,7 @@ def test_converted_layers_train():
 def test_router_logit_recording_is_handed_to_moekit(tmp_path):
     """transformers' output_router_logits has no router modules left to record from: moefy
     turns it off (the aux losses come from the MoELayers) and save_hf restores it."""
-    from moe.swap import save_hf
+    from moe.hf import save_hf
     model = build("mixtral")
     model.config.output_router_logits = True
     moefy(model)

@@ -1,4 +1,4 @@
-"""moe.profile: expert-load counts, JSON/PNG/TensorBoard outputs, imbalance detection.
+"""moe.profiling: expert-load counts, JSON/PNG/TensorBoard outputs, imbalance detection.
 
 Counts are integers and compared exactly against an independent top-k of the router logits.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from moe import MoELayer
-from moe.profile import profile_model
+from moe.profiling import profile_model
 
 V, D, F, E = 50, 16, 32, 4
 
@@ -100,7 +100,7 @@ def test_counts_outputs_and_imbalance(tmp_path):
 
 def test_hf_encoder_decoder_streams_and_errors():
     import transformers
-    from moe.swap import moefy
+    from moe.hf import moefy
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.T5Config(num_layers=1, d_model=D, d_ff=F, num_heads=2, d_kv=8,

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from moe import MoELayer, Router
+from moe import MoELayer, Router, RoutingConfig
 
 G, S, D, E = 2, 8, 6, 5
 
 
 def make_router(k, kind="token_choice", jitter=0.0, seed=0):
     torch.manual_seed(seed)
-    r = Router(D, E, k, kind, jitter).double()
+    r = Router(D, RoutingConfig(num_experts=E, top_k=k, kind=kind, jitter=jitter)).double()
     with torch.no_grad():
         r.weight.normal_(0, 1.0)
     return r

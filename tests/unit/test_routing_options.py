@@ -130,7 +130,7 @@ def test_clamped_swiglu_hand_numbers():
             3 * 7 * torch.sigmoid(torch.tensor(7 * 1.702)).item()]
     got = clamped_swiglu_by_hand(gate, up, 1.702, 7.0).tolist()
     assert got == pytest.approx(want, rel=1e-6)
-    from moe.glu import clamped_swiglu
+    from moe.activations import clamped_swiglu
     assert clamped_swiglu(gate, up, 1.702, 7.0).tolist() == pytest.approx(want, rel=1e-6)
 
 
@@ -197,14 +197,15 @@ def test_moe_config_fields_reach_the_layer():
                         num_shared_experts=1, shared_expert_gate=True, swiglu_alpha=1.5,
                         swiglu_limit=3.0, balance_loss="global_batch").validate(model_cfg)
     layer = make_ffn(model_cfg, moe_cfg, 0, 0.02, False)
-    r = layer.router
+    r = layer.router.config
     assert (r.score_func, r.norm_topk_prob, r.n_group, r.topk_group) == ("sigmoid", True, 3, 2)
-    assert r.routed_scaling_factor == 2.5 and r.bias is not None
+    assert r.routed_scaling_factor == 2.5 and layer.router.bias is not None
     assert layer.shared_experts.gate is not None
-    assert (layer.experts.swiglu_alpha, layer.experts.swiglu_limit) == (1.5, 3.0)
+    assert (layer.experts.act.alpha, layer.experts.act.limit) == (1.5, 3.0)
     assert layer.balance_loss == "global_batch"
     default = make_ffn(model_cfg, MoEConfig(num_experts=E, every=1).validate(), 0, 0.02, False)
-    assert (default.router.score_func, default.router.norm_topk_prob, default.router.n_group) == (
+    assert (default.router.config.score_func, default.router.config.norm_topk_prob,
+            default.router.config.n_group) == (
         "softmax", True, 1)
     assert default.router.bias is None and default.shared_experts is None
 

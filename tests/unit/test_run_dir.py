@@ -51,7 +51,8 @@ def test_auto_resume_takes_the_newest_dir_with_a_checkpoint(tmp_path, capsys):
 def test_explicit_resume_without_checkpoint_says_so(tmp_path, capsys):
     _, start = prepare_run(load_config(None, [f"run.dir={tmp_path / 'x'}", "train.resume=true"]), CTX)
     assert start is None
-    assert "holds a complete checkpoint: starting from scratch" in capsys.readouterr().out
+    assert f"run.dir={str(tmp_path / 'x')!r} holds no complete checkpoint: starting from scratch" \
+        in capsys.readouterr().out
 
 
 def test_explicit_dir_refused_only_after_a_step(tmp_path):

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from moe.aux import moe_layers
-from moe.swap import moefy, save_hf
+from moe.hf import moefy, save_hf
 from tests.unit.hf_moe_models import FAMILIES, build, inputs, logits, rel_diff
 from tests.unit.test_swap import tiny
 
@@ -109,7 +109,7 @@ def test_plain_model_is_refused(tmp_path):
 def test_converted_model_save_pretrained_and_load_moefied(family, tmp_path):
     """The moekit route keeps the MoELayers (e.g. to resume training), whatever renames
     transformers' save_pretrained applies (Mixtral writes `mlp` as `block_sparse_moe`)."""
-    from moe.swap import load_moefied
+    from moe.hf import load_moefied
     model = moefy(build(family))
     with torch.no_grad():
         for _, layer in moe_layers(model):

@@ -11,7 +11,7 @@ import transformers
 
 from moe import MoELayer
 from moe.aux import collect_aux_loss, inject_aux_loss, moe_layers
-from moe.swap import load_moefied, moefy
+from moe.hf import load_moefied, moefy
 
 transformers.logging.set_verbosity_error()
 ATOL = 2e-5

@@ -5,7 +5,7 @@ import json
 import torch
 
 from moe import MoELayer
-from moe.trace import print_breakdown, trace_step
+from moe.profiling import print_breakdown, trace_step
 
 
 def test_trace_names_each_phase_per_layer_and_writes_chrome_trace(tmp_path):

@@ -8,7 +8,7 @@ An adapter answers four questions for one model family:
   dense_weights(site)   -> its weights transposed into the [in, out] layout (for upcycling)
   install(site, moe, spec) -> put the MoE layer in place, keeping the caller's signature
 To support a new family, write one such object (see gpt2.py, ~40 lines) and either pass it to
-`moefy(..., adapter=MyAdapter())` or list it in moe/adapters/__init__.py.
+`moefy(..., adapter=MyAdapter())` or list it in moe/hf/adapters/__init__.py.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..experts import ACTIVATIONS
+from ...experts import ACTIVATIONS
 
 # Hugging Face activation name -> moekit activation, for plain and for gated (GLU) FFNs.
 _PLAIN_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",

@@ -19,9 +19,9 @@ import os
 
 import torch
 
-from .aux import moe_layers
+from ..aux import moe_layers
 from .heatmap import heatmap_figure
-from .placement import plan_placement
+from ..placement import plan_placement
 
 
 class _LayerTally:
@@ -41,7 +41,9 @@ class _LayerTally:
     def add_rank_rows(self, stats, ep) -> None:
         """After a layer forward: its rows per ep rank (measured, or planned for ep=(P, R))."""
         if stats.rank_rows.numel() > 1 or ep is None or ep[0] == 1:
-            rows, unrep, source = stats.rank_rows.cpu(), stats.rank_rows_unreplicated.cpu(), "measured"
+            rows, source = stats.rank_rows.cpu(), "measured"
+            # no replicas in this layer: without replication the rows are these rows
+            unrep = rows if stats.rank_rows_unreplicated is None else stats.rank_rows_unreplicated.cpu()
         else:
             pl = plan_placement(stats.kept_E.tolist(), *ep)
             rows, unrep = torch.tensor(pl.rank_rows), torch.tensor(pl.owner_rows)
@@ -240,9 +242,3 @@ def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=N
         write_outputs(report, out_dir, writer, step)
     return report
 
-
-if __name__ == "__main__":
-    import sys
-    # Building a model from a training config is the trainer's job (moe/ is the bottom layer).
-    print("python -m moe.profile moved to: python -m trainer.profile (same flags)", file=sys.stderr)
-    sys.exit(2)

@@ -9,7 +9,7 @@ A MoE-family adapter (`kind = "moe"`) answers, for one transformers family:
   load(block, moe)        -> copy the block's weights (and selection bias) into moe
   install(site, moe)      -> put moe where the block was, keeping the caller's signature
   export(moe)             -> {name inside the block: tensor}: the block's own state dict
-                             rebuilt from moe, for moe.swap.save_hf
+                             rebuilt from moe, for moe.hf.save_hf
 Most families store experts stacked: gate_up_proj [E, 2F, D] (gate rows first, then up
 rows) and down_proj [E, D, F], i.e. nn.Linear's [out, in] per expert.
 """

@@ -1,13 +1,13 @@
 """Convert a Hugging Face MoE model's sparse blocks into moekit MoELayers, in place.
 
-Every routing setting comes from the model's config (see moe/adapters/<family>.py); an
+Every routing setting comes from the model's config (see moe/hf/adapters/<family>.py); an
 explicit argument may repeat a setting but not contradict it. Blocks are converted one at
 a time and each HF block is dropped as soon as its MoELayer is installed, so at most one
 layer's expert weights exist twice during the conversion.
 """
 import inspect
 
-from .layer import MoELayer
+from ..layer import MoELayer
 
 # MoELayer arguments that change what the layer computes: an explicit value must match the
 # family's (or MoELayer's default, where the family sets nothing).
@@ -69,3 +69,12 @@ def is_moe_adapter(adapter) -> bool:
     return getattr(adapter, "kind", "dense") == "moe"
 
 
+def wrapped_layers(model) -> list:
+    """[(prefix of the swapped-in module, MoELayer)]: the modules whose `.moe` is the layer
+    (what moefy installed, converted or upcycled)."""
+    out = []
+    for name, module in model.named_modules():
+        moe = getattr(module, "moe", None)
+        if isinstance(moe, MoELayer):
+            out.append((name, moe))
+    return out

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-_FALLBACK = ("save it with model.save_pretrained(dir) and reload it with "
-             "moe.swap.load_moefied(dir), which keeps every moekit option")
+from .convert import wrapped_layers
+
+FALLBACK = ("save it with model.save_pretrained(dir) and reload it with "
+            "moe.hf.load_moefied(dir), which keeps every moekit option")
 _TARGETS = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe"}
 
 
@@ -24,13 +26,12 @@ class Target:
 
 
 def _layers(model):
-    from .export import _wrapped_layers
-    return [moe for _, moe in _wrapped_layers(model)]
+    return [moe for _, moe in wrapped_layers(model)]
 
 
 def _mismatch(moe, target: str) -> list:
     """What keeps this MoELayer from being a `target` block (empty: it fits)."""
-    r = moe.router
+    r = moe.router.config
     checks = [
         (moe.experts.activation == "swiglu", f"activation={moe.experts.activation!r} (needs 'swiglu')"),
         (moe.experts.b1 is None, "expert_bias=True"),
@@ -38,10 +39,10 @@ def _mismatch(moe, target: str) -> list:
         (r.score_func == "softmax", f"score_func={r.score_func!r}"),
         (r.n_group == 1, f"n_group={r.n_group}"),
         (r.routed_scaling_factor == 1.0, f"routed_scaling_factor={r.routed_scaling_factor}"),
-        (r.bias is None, "router_bias=True"),
+        (not r.router_bias, "router_bias=True"),
         (r.logits_dtype is None and r.score_dtype in (None, torch.float32),
          "router dtypes other than the default or score_dtype='float32'"),
-        (not r.selection_bias.any(), "a non-zero selection bias"),
+        (not moe.router.selection_bias.any(), "a non-zero selection bias"),
         (moe.capacity_factor is None and moe.eval_capacity_factor is None
          and r.expert_capacity is None, "a capacity limit (the target is dropless)"),
     ]
@@ -70,28 +71,28 @@ def target_for(model, section: dict) -> Target:
     if target is None:
         raise ValueError(f"an upcycled {family} model has no transformers MoE architecture with "
                          f"the same function (save_hf exports llama/mistral -> mixtral and "
-                         f"qwen2 -> qwen2_moe); {_FALLBACK}")
+                         f"qwen2 -> qwen2_moe); {FALLBACK}")
     layers = _layers(model)
     problems = {i: _mismatch(m, target) for i, m in enumerate(layers)}
     problems = {i: p for i, p in problems.items() if p}
     if problems:
         i, p = next(iter(problems.items()))
         raise ValueError(f"the upcycled {family} model cannot be written as {target}: MoE layer {i} "
-                         f"has {', '.join(p)}; {_FALLBACK}")
+                         f"has {', '.join(p)}; {FALLBACK}")
     if getattr(cfg, "attention_bias", False):
-        raise ValueError(f"{family} with attention_bias=True has no {target} equivalent; {_FALLBACK}")
+        raise ValueError(f"{family} with attention_bias=True has no {target} equivalent; {FALLBACK}")
     moe = layers[0]
     arch = type(model).__name__
     if target == "mixtral":
         if section["every"] != 1:
             raise ValueError(f"moefy(every={section['every']}) left dense FFNs, and every Mixtral "
-                             f"layer is sparse; {_FALLBACK}")
+                             f"layer is sparse; {FALLBACK}")
         new = transformers.MixtralConfig(
             **_common(cfg), head_dim=getattr(cfg, "head_dim", None),
             sliding_window=getattr(cfg, "sliding_window", None),
             intermediate_size=moe.d_ff, num_local_experts=moe.num_experts,
             num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef,
-            router_jitter_noise=moe.router.jitter)
+            router_jitter_noise=moe.router.config.jitter)
         new.architectures = [arch.replace("Llama", "Mixtral").replace("Mistral", "Mixtral")]
         return Target(new, "none")
     extra = {k: getattr(cfg, k) for k in ("use_sliding_window", "sliding_window",
@@ -100,7 +101,7 @@ def target_for(model, section: dict) -> Target:
     new = transformers.Qwen2MoeConfig(
         **_common(cfg), **extra, intermediate_size=cfg.intermediate_size,
         moe_intermediate_size=moe.d_ff, num_experts=moe.num_experts,
-        num_experts_per_tok=moe.top_k, norm_topk_prob=moe.router.norm_topk_prob,
+        num_experts_per_tok=moe.top_k, norm_topk_prob=moe.router.config.norm_topk_prob,
         decoder_sparse_step=section["every"], mlp_only_layers=[],
         shared_expert_intermediate_size=1 if shared is None else shared.bank.w1.shape[-1],
         router_aux_loss_coef=moe.aux_loss_coef, qkv_bias=True)

@@ -1,7 +1,7 @@
 """moefy: swap the dense FFNs of a Hugging Face model for MoE layers, in place (+ reload).
 
 Shapes: D model dim, F ffn dim, E experts.
-What gets replaced in each family is documented in moe/adapters/<family>.py. The swapped-in
+What gets replaced in each family is documented in moe/hf/adapters/<family>.py. The swapped-in
 module keeps the replaced module's forward signature and output type, so the model's own
 forward, loss, generate() and save_pretrained() keep working.
 
@@ -9,7 +9,7 @@ Save / reload route: `model.save_pretrained(dir)` works unchanged (moefy records
 arguments as `config.moekit` in config.json); reload with `load_moefied(dir)`, which builds
 the dense model from the config, moefies it the same way and loads the saved state dict.
 Plain `from_pretrained` would build the dense model and cannot load MoE weights; for that,
-`save_hf(model, dir)` (moe/export.py) writes a converted MoE model back in its own
+`save_hf(model, dir)` (moe/hf/export.py) writes a converted MoE model back in its own
 architecture, and an upcycled Llama/Mistral/Qwen2 as Mixtral/Qwen2-MoE where they match.
 """
 import json
@@ -18,13 +18,12 @@ import os
 import torch
 
 from .adapters import adapter_for
-from .aux import inject_aux_loss, moe_layers
+from ..aux import inject_aux_loss, moe_layers
 from .convert import convert_moe_blocks, explicit_args, is_moe_adapter
-from .export import save_hf  # noqa: F401  (moe.swap.save_hf is the public name)
-from .layer import MoELayer
+from .export import CONFIG_KEY
+from ..layer import MoELayer
 from .upcycle import upcycle_layer
 
-CONFIG_KEY = "moekit"   # the section moefy adds to model.config
 _NOT_KWARGS = {"d_model": "it comes from the model", "ep_group": (
     "apply expert parallelism after moefy with the parallel/ functions")}
 _SHAPE_KWARGS = ("d_ff", "activation", "expert_bias")  # copied from the dense FFN when upcycling
@@ -70,9 +69,9 @@ def moefy(model, num_experts=None, top_k=None, every: int = 1, capacity_factor=N
     same weights and routing, read from the model's config.
 
     family: force a built-in adapter (default: from model.config.model_type); adapter: your
-    own (see moe/adapters/base.py, moe/adapters/hf_moe.py). Dense models need num_experts and
+    own (see moe/hf/adapters/base.py, moe/hf/adapters/hf_moe.py). Dense models need num_experts and
     top_k. upcycle (dense models, default True): experts start as copies of the dense FFN and
-    the router small (see moe/upcycle.py); else MoELayer's own init. inject_aux: aux losses
+    the router small (see moe/hf/upcycle.py); else MoELayer's own init. inject_aux: aux losses
     reach backward without changing the training code (moe/aux.py). Other keyword arguments
     go to MoELayer (aux_loss_coef, z_loss_coef, router, jitter, num_shared_experts, ...);
     for an MoE model, one that contradicts its config is an error. Returns the model.

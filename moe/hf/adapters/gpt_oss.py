@@ -4,7 +4,7 @@ Routing in the model's dtype: logits = x @ W.T + b, top-k of the logits, gates =
 the k chosen logits (= the renormalised top-k of the full softmax). Experts store [in, out]:
 gate_up_proj [E, D, 2F] with gate and up interleaved (columns 0, 2, 4, ... are the gate),
 gate_up_proj_bias [E, 2F], down_proj [E, F, D], down_proj_bias [E, D]; the activation is
-the clamped SwiGLU with config.swiglu_alpha/limit (moe/glu.py). The block returns
+the clamped SwiGLU with config.swiglu_alpha/limit (moe/activations.py). The block returns
 (hidden_states, router_scores) and the decoder layer unpacks it, so the swapped module
 returns (hidden_states, None).
 """

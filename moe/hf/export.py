@@ -10,29 +10,17 @@ Two cases:
     (any `every`, norm_topk_prob either way; an existing shared expert needs
     shared_expert_gate=True; without one, Qwen2-MoE's always-present shared expert is
     written with zero weights, which adds exactly 0). Anything else raises and points to
-    save_pretrained + moe.swap.load_moefied, which round-trips every moefied model.
+    save_pretrained + moe.hf.load_moefied, which round-trips every moefied model.
 """
 import copy
 import os
 
-
 from .adapters import adapter_for
 from .adapters.hf_moe import export_gated_mlp, export_stacked
-from .layer import MoELayer
+from .convert import wrapped_layers
+from .upcycled_export import FALLBACK, target_for
 
-CONFIG_KEY = "moekit"
-_FALLBACK = ("save it with model.save_pretrained(dir) and reload it with "
-             "moe.swap.load_moefied(dir) instead")
-
-
-def _wrapped_layers(model) -> list:
-    """[(prefix of the swapped-in module, MoELayer)]: the module whose `.moe` is the layer."""
-    out = []
-    for name, module in model.named_modules():
-        moe = getattr(module, "moe", None)
-        if isinstance(moe, MoELayer):
-            out.append((name, moe))
-    return out
+CONFIG_KEY = "moekit"   # the section moefy adds to model.config
 
 
 def _state_with(model, replace: dict) -> dict:
@@ -77,16 +65,15 @@ def save_hf(model, path: str) -> None:
     if section.get("converted"):
         adapter = adapter_for(model, section["family"])
         replace = {}
-        for prefix, moe in _wrapped_layers(model):
+        for prefix, moe in wrapped_layers(model):
             if adapter.selection_bias is None and moe.router.selection_bias.any():
                 raise ValueError(f"{prefix}: the selection bias moved (update_selection_bias), and "
-                                 f"{adapter.family} checkpoints have no place for it; {_FALLBACK}")
+                                 f"{adapter.family} checkpoints have no place for it; {FALLBACK}")
             replace[prefix] = adapter.export(moe)
         _write(_clean_config(model.config), _state_with(model, replace), path)
         return
-    from .upcycled_export import target_for  # only needed for upcycled dense models
     target = target_for(model, section)
-    replace = {prefix: _export_upcycled(moe, target.shared) for prefix, moe in _wrapped_layers(model)}
+    replace = {prefix: _export_upcycled(moe, target.shared) for prefix, moe in wrapped_layers(model)}
     _write(target.config, _state_with(model, replace), path)
 
 
