@@ -89,6 +89,13 @@ class Parallelized:
             self.tied.sum_grads(held_grad(self.tied.param, self.zero))
         return loss
 
+    def pipeline_aux_loss(self) -> torch.Tensor:
+        """pp > 1, after pipeline_step: the aux part of its loss, summed over the stages (each
+        holds its own MoE layers' share), the same on every pp rank."""
+        aux = self.pipeline.stage_aux_loss().float().reshape(1).clone()
+        dist.all_reduce(aux, group=self._group("pp"))
+        return aux[0]
+
     def grads(self) -> list:
         """The local gradient tensors this rank holds (slices, shards, pieces), e.g. to unscale."""
         return [g for g, _ in self._weighted_grads()]

@@ -5,7 +5,9 @@ Per optimizer step every data-parallel rank takes its rows of the global batch, 
 micro-batches (gradient accumulation), adds every MoE layer's aux loss to the task loss,
 reduces gradients, clips the global norm, steps AdamW and the schedule, and optionally moves
 the routers' aux-loss-free selection bias with the all-reduced expert load. Everything
-layout-specific goes through the parallel.Parallelized handle `par` (parallel/parallelized.py).
+layout-specific goes through the parallel.Parallelized handle `par` (parallel/parallelized.py):
+this file calls no collective on a parallel group itself. `Trainer.step` reads top-down: the
+training step (`_train_step`), its record, evaluation, then what is due after it.
 Under fp16 a DynamicLossScaler scales the loss and skips steps whose gradients overflow.
 """
 import contextlib
@@ -207,12 +209,38 @@ class Trainer:
         self.last_saved = None
 
     def step(self, n: int) -> None:
+        """Train step n, log it, then whatever is due after it (evaluation, MoE statistics,
+        profile, checkpoint) and a SIGTERM stop."""
         t0 = time.perf_counter()
         scale = self.scaler.scale_value if self.scaler is not None else 1.0
         lr = self.sched.get_last_lr()
+        rec = {"step": n}
+        loss, aux, stats, norm, skipped, stop = self._train_step(n, scale, rec)
+        loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
+        dt = time.perf_counter() - t0
+        tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
+        rec.update(loss=loss, aux_loss=aux, lr=lr, grad_norm=None if skipped else float(norm),
+                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=bool(skipped))
+        if skipped == "diverged":
+            rec["skip_reason"] = "non-finite loss or gradient norm"
+        self._record_comm(rec)
+        if self.scaler is not None:
+            self._update_loss_scale(n, scale, skipped == "overflow", rec)
+        self._count_divergence(n, skipped == "diverged", skipped == "overflow")
+        if self._due(n, self.cfg.train.eval_every, at_end=self.cfg.train.eval_every > 0) \
+                and not self.in_a_row:
+            rec["val_loss"] = self.evaluate()
+        self.log.log_step(rec)
+        if self.in_a_row:
+            self._stop_if_diverged(n)
+        self._after_step(n, stats, stop)
+
+    def _train_step(self, n: int, scale: float, rec: dict):
+        """Forward, backward, clip and optimizer step of step n, measured as configured ->
+        (loss, aux, stats, norm, skipped: False | "overflow" | "diverged", stop requested)."""
         counting = self.par.recording_comm() if self.cfg.log.comm_bytes else contextlib.nullcontext()
         peak = self._peak_memory(n)
-        with counting, peak or contextlib.nullcontext():  # the training part of the step
+        with counting, peak or contextlib.nullcontext():
             loss, aux, stats = self._forward_backward(scale)
             with self.par.comm_label("other"):
                 overflow = self.scaler is not None and self.scaler.unscale_(self.par.grads())
@@ -222,37 +250,31 @@ class Trainer:
                 self.optimizer.step()
                 self.sched.step()
                 self._update_bias()
-        skipped = overflow or diverged
-        rec = {"step": n}
         if n == self.first_step:  # what this rank holds, by device, read from the tensors
             rec["model_state_bytes"] = model_state_bytes(self.model, self.par.grads(), self.optimizer)
         if peak is not None:
             rec["peak_mem_bytes"] = peak.peak_bytes
-        loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
-        dt = time.perf_counter() - t0
-        tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
-        rec.update(loss=loss, aux_loss=aux, lr=lr, grad_norm=None if skipped else float(norm),
-                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=skipped)
-        if diverged:
-            rec["skip_reason"] = "non-finite loss or gradient norm"
-        if self.cfg.log.comm_bytes:
-            rec["comm_bytes"] = self.par.ledger.take() if self.par.ledger is not None else {}
-            if self.par.ledger is not None and self.par.ledger.multi_node:
-                rec["comm_bytes_inter_node"] = self.par.ledger.take_inter_node()
-        if self.scaler is not None:
-            self.scaler.update(overflow)
-            rec["loss_scale"] = scale
-            if overflow:
-                rec["skip_reason"] = "fp16 gradient overflow"
-                self.log.info(f"step {n}: fp16 gradient overflow, step skipped; loss scale "
-                              f"{scale:g} -> {self.scaler.scale_value:g}")
-        self._count_divergence(n, diverged, overflow)
-        if self._due(n, self.cfg.train.eval_every, at_end=self.cfg.train.eval_every > 0) \
-                and not self.in_a_row:
-            rec["val_loss"] = self.evaluate()
-        self.log.log_step(rec)
-        if self.in_a_row:
-            self._stop_if_diverged(n)
+        skipped = "overflow" if overflow else "diverged" if diverged else False
+        return loss, aux, stats, norm, skipped, stop
+
+    def _record_comm(self, rec: dict) -> None:
+        if not self.cfg.log.comm_bytes:
+            return
+        ledger = self.par.ledger
+        rec["comm_bytes"] = ledger.take() if ledger is not None else {}
+        if ledger is not None and ledger.multi_node:
+            rec["comm_bytes_inter_node"] = ledger.take_inter_node()
+
+    def _update_loss_scale(self, n: int, scale: float, overflow: bool, rec: dict) -> None:
+        self.scaler.update(overflow)
+        rec["loss_scale"] = scale
+        if overflow:
+            rec["skip_reason"] = "fp16 gradient overflow"
+            self.log.info(f"step {n}: fp16 gradient overflow, step skipped; loss scale "
+                          f"{scale:g} -> {self.scaler.scale_value:g}")
+
+    def _after_step(self, n: int, stats: dict, stop: bool) -> None:
+        """MoE statistics and profile when due, a checkpoint when due or stopping, the stop."""
         # a collective: decided from the config, not from this rank's (pipeline stage's) layers
         if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
             self.log.log_moe(n, self.par.sum_routing_stats(
@@ -336,10 +358,9 @@ class Trainer:
         """parallel.pp > 1: the schedule runs the micro-batches (forward and backward)."""
         total = self.par.pipeline_step(batch_BS1[:, :-1], batch_BS1[:, 1:])
         # the runner returns task + aux; split off the aux part, summed over the stages
-        aux = self.par.pipeline.stage_aux_loss().float().reshape(1).to(total.device)
-        dist.all_reduce(aux, group=self.par.meshes.group("pp"))
+        aux = self.par.pipeline_aux_loss().to(total.device)
         stats = {name: [layer.last_stats] for name, layer in self.moe if layer.last_stats is not None}
-        return total.detach() - aux[0], aux[0], stats
+        return total.detach() - aux, aux, stats
 
     def _update_bias(self) -> None:
         rate = self.cfg.moe.bias_update_rate

@@ -1,6 +1,6 @@
 """The layout planner against measured runs: train.py on this machine, one launch per layout.
 
-For each layout train.py runs 2 steps of a tiny MoE GPT and writes rank 0's measurements to
+For each layout train.py runs 2 steps (launched a few at a time: tests/e2e/launch.py) of a tiny MoE GPT and writes rank 0's measurements to
 metrics.jsonl; the planner predicts rank 0 of the same config and layout. Checked:
   model state (params, grads, optimizer bytes) within 2%  - measured on step 1, after the
       optimizer step (ZeRO-1 has then freed its full gradients: grads not compared there)
@@ -14,9 +14,6 @@ measured step time (not asserted: a 2-core machine running 2-8 processes says li
 idle time).
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +21,9 @@ import pytest
 from parallel.planner import Hardware, StateCache, predict
 from parallel.planner.__main__ import workload_from_config
 from parallel.planner.flops import model_costs
-from parallel.plan import ParallelPlan
+from tests.e2e.launch import run_all
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.d_ff=64",
         "moe.num_experts=4", "moe.force_balance=true", "data.seq_len=32", "train.batch_size=8",
         "data.max_bytes=1000000", "train.eval_every=0", "log.moe_stats_every=0",
@@ -58,15 +54,17 @@ def _args(spec: dict, cache: Path, run_dir: Path, extra=()) -> list:
         [f"data.cache_dir={cache}", f"run.dir={run_dir}"]
 
 
-def _measure(world: int, args: list, tmp: Path) -> list:
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                      f"--nproc-per-node={world}"]
-    cmd = [sys.executable, *launcher, "train.py", *args]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"{cmd}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
-    run_dir = Path(args[-1].split("=", 1)[1])
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _measure_all(jobs: list, tmp: Path) -> list:
+    """metrics.jsonl records of each (world, args) launch: the first alone (it prepares the
+    shared data cache), the rest concurrently (tests/e2e/launch.py: what is measured here is
+    bytes and live tensors, not time)."""
+    results = run_all(jobs[:1], tmp) + run_all(jobs[1:], tmp)
+    out = []
+    for (world, args), (code, log) in zip(jobs, results):
+        assert code == 0, f"w{world} {args}:\n{log[-4000:]}"
+        run_dir = Path(args[-1].split("=", 1)[1])
+        out.append([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    return out
 
 
 def _predict(world: int, args: list):
@@ -88,11 +86,12 @@ def _close(pred: float, got: float, tol: float) -> bool:
 def test_planner_predicts_measured_runs(tmp_path):
     cache = tmp_path / "data_cache"
     rows, failures = [], []
-    for world, spec, *extra in LAYOUTS:
+    jobs = [(world, _args(spec, cache, tmp_path / f"run{i}", *extra))
+            for i, (world, spec, *extra) in enumerate(LAYOUTS)]
+    measured = _measure_all(jobs, tmp_path)
+    for (world, spec, *extra), (_, args), recs in zip(LAYOUTS, jobs, measured):
         name = f"w{world} " + ("switch " if extra else "") + \
             (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
-        args = _args(spec, cache, tmp_path / f"run{len(rows)}", *extra)
-        recs = _measure(world, args, tmp_path)
         pred = _predict(world, args)
         stage = pred.rank0()
         got_state = recs[0]["model_state_bytes"]
