@@ -54,4 +54,5 @@ def test_killed_worker_is_restarted_and_the_run_continues(tmp_path):
     assert f"pid: {victim}" in out and "resuming step_" in out, out[-3000:]
     steps = [r["step"] for r in records(run)]
     assert steps == list(range(1, 61)), steps  # every step once, none lost or doubled
+    assert not any("val_loss" in r for r in records(run))  # train.eval_every=0: never
     assert losses(run) == losses(ref)  # bit-identical to the uninterrupted run

@@ -70,3 +70,26 @@ def test_run_name_must_be_plain():
     from trainer.config import validate
     with pytest.raises(ConfigError, match=r"run\.name='a/b' must be a plain name"):
         validate(load_config(None, ["run.name=a/b"]), 1)
+
+
+def test_a_run_that_fails_before_step_1_leaves_no_auto_dir(tmp_path, capsys):
+    from trainer.loop import run
+    empty = tmp_path / "empty_texts"
+    empty.mkdir()
+    cfg = load_config(None, [f"data.source={empty}", f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ConfigError, match="data preparation failed.*holds no text files"):
+        run(cfg)
+    assert "run dir: runs/default-001" in capsys.readouterr().out  # it was made, then removed
+    assert not (tmp_path / "runs" / "default-001").exists()
+    # a directory holding anything else (or a run) is kept
+    from trainer.run_dir import remove_unused_auto_dir
+    kept = tmp_path / "runs" / "default-002"
+    kept.mkdir(parents=True)
+    (kept / "notes.txt").write_text("mine")
+    (kept / "config.toml").write_text("")
+    remove_unused_auto_dir(kept)
+    assert (kept / "notes.txt").exists() and not (kept / "config.toml").exists()
+    ran = tmp_path / "runs" / "default-003"
+    _fake_checkpoint(ran, cfg)
+    remove_unused_auto_dir(ran)
+    assert (ran / "checkpoints").is_dir()
