@@ -11,6 +11,7 @@ expert-parallel rank are planned for the config's parallel.ep and moe.replica_sl
 batch's expert counts ("rank max/mean": without -> with replication).
 """
 import argparse
+import os
 import sys
 
 from moe.profiling import profile_model
@@ -128,7 +129,7 @@ def _trace(model, cfg, arch, device, out_dir) -> None:
         loss = task.loss(model, batch)
         (loss + collect_aux_loss(model)).backward()
     print_breakdown(trace_step(step, out_dir), sys.stdout)
-    print(f"wrote {out_dir}/trace.json")
+    print(f"wrote {os.path.join(out_dir, 'trace.json')}")
 
 
 if __name__ == "__main__":

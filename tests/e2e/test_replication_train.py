@@ -30,14 +30,17 @@ def test_replica_slots_same_losses_under_torchrun(tmp_path):
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5]
     for step in ref:
         assert close(got[step], ref[step], 1e-5), (step, got[step], ref[step])
-    for run, replicated in ((off, False), (on, True)):
-        after = _scalars(run, "/rank_imbalance")
-        before = _scalars(run, "/rank_imbalance_unreplicated")
-        assert after and len(after) == len(before), sorted(after)
-        for tag, values in after.items():
-            unrep = before[tag + "_unreplicated"]
-            if replicated:   # never worse, and better whenever the unreplicated skew is real
-                assert all(a <= b + 1e-9 for a, b in zip(values, unrep)), (tag, values, unrep)
-                assert max(values) < max(unrep), (tag, values, unrep)
-            else:
-                assert values == unrep, (tag, values, unrep)
+    # without replicas there is nothing to compare: only rank_imbalance is logged
+    off_after = _scalars(off, "/rank_imbalance")
+    assert off_after and not _scalars(off, "/rank_imbalance_unreplicated"), sorted(off_after)
+    after = _scalars(on, "/rank_imbalance")
+    before = _scalars(on, "/rank_imbalance_unreplicated")
+    assert after and len(after) == len(before), sorted(after)
+    for tag, values in after.items():
+        unrep = before[tag + "_unreplicated"]
+        # never worse, and better whenever the unreplicated skew is real
+        assert all(a <= b + 1e-9 for a, b in zip(values, unrep)), (tag, values, unrep)
+        assert max(values) < max(unrep), (tag, values, unrep)
+        # step 1 routes the same weights as the run without replicas: its rows per rank are
+        # exactly those (later steps may differ in the last bits of the weights)
+        assert off_after[tag][0] == unrep[0], (tag, off_after[tag], unrep)
