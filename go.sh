@@ -10,6 +10,8 @@ cmd="${1:-train}"; shift || true
 cd "$ROOT"
 case "$cmd" in
   train) exec "$PY" train.py "$@" ;;
-  test)  exec "$PY" -m pytest tests "$@" ;;
+  # two pytest workers (pytest-xdist, work stealing): most tests wait on process start-up
+  # and gloo, so the 2-core machine runs two at once; MOEKIT_TEST_WORKERS=0 runs serially
+  test)  exec "$PY" -m pytest tests -n "${MOEKIT_TEST_WORKERS:-2}" --dist worksteal "$@" ;;
   *) echo "usage: bash go.sh train|test [args...]" >&2; exit 2 ;;
 esac

@@ -73,9 +73,11 @@ def test_world2_data_zero_expert_tensor_pipeline():
     _run_and_check(2, W2, timeout=300)
 
 
+@pytest.mark.long
 def test_world4_composed_layouts():
     _run_and_check(4, W4, timeout=400)
 
 
+@pytest.mark.long
 def test_world8_all_five():
     _run_and_check(8, W8, timeout=300)

@@ -52,8 +52,8 @@ def test_first_failure_is_raised_with_traceback():
 def test_hang_hits_the_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTestError):
-        run_distributed(_hang_on_rank0, 2, timeout=6)
-    assert time.monotonic() - start < 20
+        run_distributed(_hang_on_rank0, 2, timeout=3)
+    assert time.monotonic() - start < 15
 
 
 def test_nested_function_is_rejected_before_spawning():

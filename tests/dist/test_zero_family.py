@@ -77,6 +77,7 @@ QUANT = [("qwz", dict(dp=2, zero=3, zeropp_quantize_weights=True), "zero3", "zer
                                   zeropp_quantize_grads=True), "ep2_zero3", "zero_param_gather")]
 
 
+@pytest.mark.long
 def test_world2_offload_and_quantized_collectives():
     layouts = BASE + [(n, s) for n, s, _ in OFFLOAD] + [(n, s) for n, s, _, _ in QUANT]
     ref = [loss for loss, _ in dc.reference_run(*dc.configs())]

@@ -13,6 +13,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data_cache")
 
 
+@pytest.mark.long
 def test_adafactor_layouts_state_bytes_and_resume(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=4", "train.optimizer=adafactor"]
     one, two, z3 = tmp_path / "one", tmp_path / "two", tmp_path / "z3"

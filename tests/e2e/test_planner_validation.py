@@ -83,6 +83,7 @@ def _close(pred: float, got: float, tol: float) -> bool:
     return abs(pred - got) <= tol * max(abs(got), 1)
 
 
+@pytest.mark.long
 def test_planner_predicts_measured_runs(tmp_path):
     cache = tmp_path / "data_cache"
     rows, failures = [], []

@@ -22,6 +22,7 @@ def _workers(launcher_pid: int) -> list:
     return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.long
 def test_killed_worker_is_restarted_and_the_run_continues(tmp_path):
     cache = tmp_path / "cache"
     common = TINY + [f"data.cache_dir={cache}", "train.steps=60", "checkpoint.every=10",

@@ -50,6 +50,7 @@ def close(a, b, rel):
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
+@pytest.mark.long
 def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=6", "checkpoint.every=3"]
     one, two = tmp_path / "one", tmp_path / "two"

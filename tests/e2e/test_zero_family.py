@@ -23,6 +23,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data_cache")
 
 
+@pytest.mark.long
 def test_offload_trains_like_one_process_and_checkpoints_move_between_modes(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=4"]
     one, off = tmp_path / "one", tmp_path / "off"
