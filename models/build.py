@@ -9,8 +9,8 @@ model. Values are drawn on the CPU and copied to the target device, so CPU and C
 start from identical weights.
 
 DTensor parameters (FSDP2 / tensor parallel) are handled one module at a time: the module's
-full (for experts: EP-local) parameters are drawn into temporary tensors and each rank keeps
-its own shard. Peak extra memory is the largest single module (typically one expert bank).
+full (for experts: EP-local, with their whole d_ff) parameters are drawn into temporary
+tensors and each rank keeps its own shard (its d_ff block under expert tensor parallelism). Peak extra memory is the largest single module (typically one expert bank).
 """
 import hashlib
 
@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from moe import ExpertBank, MoELayer
 from moe.aux import moe_layers
+from moe.expert_tp import FFN_DIMS, ffn_block
 
 from .config import ModelConfig, MoEConfig
 
@@ -67,13 +68,33 @@ def _expert_offset(layer: MoELayer) -> int:
     return dist.get_rank(layer.ep_group) * layer.experts.num_local
 
 
-def _draw(module: nn.Module, params: dict, seed: int, key: str, expert_offset) -> dict:
-    """Run module.reset_parameters on CPU temporaries shaped like `params` (global shapes).
+def _ffn_split(layer: MoELayer):
+    """(rank, n) of the expert-tensor-parallel group splitting this layer's experts' d_ff, or
+    None (moe/expert_tp.py: rank j holds block j of d_ff)."""
+    if layer.etp_group is None:
+        return None
+    import torch.distributed as dist
+    return dist.get_rank(layer.etp_group), dist.get_world_size(layer.etp_group)
+
+
+def _full_shape(name: str, p, split) -> tuple:
+    """The shape to draw for parameter `name`: its global shape, with the whole d_ff for an
+    expert parameter split by expert tensor parallelism."""
+    shape = list(p.shape)
+    if split is not None and name in FFN_DIMS:
+        shape[FFN_DIMS[name]] *= split[1]
+    return tuple(shape)
+
+
+def _draw(module: nn.Module, params: dict, seed: int, key: str, expert_offset, split=None) -> dict:
+    """Run module.reset_parameters on CPU temporaries shaped like `params` (global shapes;
+    whole experts under expert tensor parallelism, `split`).
 
     Swaps the temporaries into module._parameters, so reset_parameters sees ordinary tensors.
     Expert banks are drawn one expert at a time with a per-global-expert seed.
     """
-    full = {n: torch.empty(p.shape, dtype=p.dtype, device="cpu") for n, p in params.items()}
+    full = {n: torch.empty(_full_shape(n, p, split), dtype=p.dtype, device="cpu")
+            for n, p in params.items()}
     chunks = [(None, full)]
     if expert_offset is not None:  # ExpertBank: dim 0 is the expert
         n_local = next(iter(full.values())).shape[0]
@@ -128,11 +149,15 @@ def init_weights(model: nn.Module, seed: int, device=None) -> nn.Module:
                 raise TypeError(f"module {name!r} ({type(module).__name__}) owns parameters but has "
                                 f"no reset_parameters(); init_weights cannot initialise it")
             key = getattr(module, INIT_NAME_ATTR, name)
-            offset = _expert_offset(_owner_layer(model, name)) if isinstance(module, ExpertBank) else None
-            full = _draw(module, params, seed, key, offset)
+            offset, split = None, None
+            if isinstance(module, ExpertBank):
+                layer = _owner_layer(model, name)
+                offset, split = _expert_offset(layer), _ffn_split(layer)
+            full = _draw(module, params, seed, key, offset, split)
             for n, p in params.items():
                 if id(p) not in done:
-                    _write(p, full[n])
+                    block = full[n] if split is None or n not in FFN_DIMS else ffn_block(full[n], n, *split)
+                    _write(p, block)
                     done.add(id(p))
     return model
 
@@ -166,6 +191,7 @@ def _owner_layer(model: nn.Module, bank_name: str):
 
 class _NoEP:
     ep_group = None
+    etp_group = None
 
 
 def count_params(model: nn.Module) -> dict:

@@ -133,6 +133,7 @@ class MoELayer(nn.Module):
         self.balance = BalanceLoss(balance_loss, num_experts, top_k)
         self.dispatcher = LocalDispatcher(num_experts)
         self.ep_group = None
+        self.etp_group = None  # set by set_etp_group: each expert's d_ff split over its ranks
         self.aux_loss = torch.zeros(())
         self.aux_losses = {}
         self.last_stats = None
@@ -150,6 +151,12 @@ class MoELayer(nn.Module):
         """Keep only this rank's experts [r*E/P, (r+1)*E/P) and exchange tokens over ep_group."""
         from .ep_dispatcher import shard_layer_experts  # moe/ep_dispatcher.py
         shard_layer_experts(self, ep_group)
+
+    def set_etp_group(self, etp_group) -> None:
+        """Keep this rank's block of every expert's d_ff and run the experts over etp_group
+        (expert tensor parallelism, moe/expert_tp.py); composes with set_ep_group."""
+        from .expert_tp import split_layer_ffn
+        split_layer_ffn(self, etp_group)
 
     @property
     def force_balance(self) -> bool:
@@ -187,8 +194,12 @@ class MoELayer(nn.Module):
         with record_function("moe.dispatch"):
             x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
         with record_function("moe.experts"):
-            y_ND = self.experts(x_ND, counts_E,
-                                lambda weights: self.dispatcher.expert_weights(weights, meta))
+            extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
+            if self.etp_group is None:
+                y_ND = self.experts(x_ND, counts_E, extend)
+            else:  # the layout changes here: rows gathered over the etp group and back
+                from .expert_tp import tensor_parallel_experts
+                y_ND = tensor_parallel_experts(self.experts, x_ND, counts_E, extend, self.etp_group)
         with record_function("moe.combine"):
             y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
         if self.shared_experts is not None:

@@ -58,6 +58,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if plan.ep > 1:
         from .expert import apply_expert_parallel
         apply_expert_parallel(model, meshes.group("ep"))
+    if plan.etp > 1:
+        from .expert import apply_expert_tensor_parallel
+        apply_expert_tensor_parallel(model, meshes.group("etp"))
     if meshes is not None:  # micro_batch / global_batch balance losses count over the token pool
         from moe.aux import set_balance_group
         set_balance_group(model, meshes.group("pool"))

@@ -14,10 +14,12 @@ import torch
 
 from moe.aux import moe_layers
 from moe.ep_dispatcher import EXPERT_PARAM_ATTR, check_shardable, shard_layer_experts
+from moe.expert_tp import FFN_DIMS, check_ffn_shardable, split_layer_ffn
 
 from .dtensors import like_param
 
-__all__ = ["apply_expert_parallel", "is_expert_param", "expert_checkpoint_transforms"]
+__all__ = ["apply_expert_parallel", "apply_expert_tensor_parallel", "is_expert_param",
+           "expert_checkpoint_transforms"]
 
 
 def is_expert_param(name_or_param) -> bool:
@@ -53,6 +55,24 @@ def apply_expert_parallel(model, ep_group) -> list:
     return layers
 
 
+def apply_expert_tensor_parallel(model, etp_group) -> list:
+    """Split every MoELayer's experts' d_ff over `etp_group` (in place; moe/expert_tp.py):
+    rank j keeps block j of w1/w3 columns and w2 rows. All layers are checked before any is
+    changed. Returns [(name, layer)]."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("expert tensor parallelism: the model has no MoELayer; use parallel.etp=1 "
+                         "for a dense model")
+    for name, layer in layers:
+        try:
+            check_ffn_shardable(layer, etp_group)
+        except ValueError as e:
+            raise ValueError(f"{name or 'the layer'}: {e}") from None
+    for _, layer in layers:
+        split_layer_ffn(layer, etp_group)
+    return layers
+
+
 def expert_checkpoint_transforms(model, meshes):
     """(transform, untransform) of (model_sd, optim_sd) for checkpoint save/load.
 
@@ -61,29 +81,40 @@ def expert_checkpoint_transforms(model, meshes):
     mesh (Shard(0) over ep, replicated over edp), DCP records the full [E, ...] tensors and
     reshards them for any other layout; untransform unwraps them again.
 
+    Under expert tensor parallelism (etp > 1) each expert's d_ff is split too: the etp dim of
+    the mesh adds Shard(d_ff dim) (moe/expert_tp.py FFN_DIMS), so the checkpoint still holds
+    whole experts and loads under any other etp.
+
     Under ZeRO-3 those local experts are themselves FSDP2 DTensors sharded over edp (dim d of
-    [L, ...]); they are wrapped over the stage's (ep, edp) mesh as [Shard(0), Shard(d)]: ep
-    picks the block of L experts first, then edp the FSDP chunk inside it (a mesh built
-    without process groups: DCP needs only each rank's coordinates). untransform gives back
-    DTensors laid out like the parameter, on the same local storage.
+    [L, ...]); they are wrapped over the stage's (ep, etp, edp) mesh as [Shard(0), etp's
+    placement, Shard(d)]: ep picks the block of L experts first, then etp the d_ff block, then
+    edp the FSDP chunk inside it (a mesh built without process groups: DCP needs only each
+    rank's coordinates). untransform gives back DTensors laid out like the parameter, on the
+    same local storage.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    mesh, ep = meshes.expert["edp", "ep"], meshes.plan.ep
+    plan = meshes.plan
+    mesh = meshes.expert["edp", "ep", "etp"]
     params = {f"{lname}.experts.{pname}": p for lname, layer in moe_layers(model)
               for pname, p in layer.experts.named_parameters()}
     ep_edp = _ep_major_mesh(meshes) if any(isinstance(p, DTensor) for p in params.values()) else None
 
-    def wrap(t):
+    def wrap(name, t):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
-        shape = (t.shape[0] * ep, *t.shape[1:])
+        pname = name.rpartition(".")[2]
+        ffn_dim = FFN_DIMS.get(pname) if plan.etp > 1 else None
+        shape = [t.shape[0] * plan.ep, *t.shape[1:]]
+        if ffn_dim is not None:
+            shape[ffn_dim] *= plan.etp
         stride = torch.empty(shape, device="meta").stride()
+        etp = Replicate() if ffn_dim is None else Shard(ffn_dim)
         if isinstance(t, DTensor):  # ZeRO-3: an FSDP2 shard (over edp) of the local experts
             (fsdp,) = t.placements
-            return DTensor.from_local(t.to_local(), ep_edp, [Shard(0), fsdp], run_check=False,
-                                      shape=shape, stride=stride)
-        return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False,
-                                  shape=shape, stride=stride)
+            return DTensor.from_local(t.to_local(), ep_edp, [Shard(0), etp, fsdp], run_check=False,
+                                      shape=tuple(shape), stride=stride)
+        return DTensor.from_local(t, mesh, [Replicate(), Shard(0), etp], run_check=False,
+                                  shape=tuple(shape), stride=stride)
 
     def unwrap(name, t):
         if not isinstance(t, DTensor):
@@ -91,8 +122,8 @@ def expert_checkpoint_transforms(model, meshes):
         return like_param(t.to_local(), params[name])
 
     def transform(model_sd, optim_sd):
-        model_sd = {k: wrap(v) if k in params else v for k, v in model_sd.items()}
-        state = {k: ({n: wrap(v) for n, v in st.items()} if k in params else st)
+        model_sd = {k: wrap(k, v) if k in params else v for k, v in model_sd.items()}
+        state = {k: ({n: wrap(k, v) for n, v in st.items()} if k in params else st)
                  for k, st in optim_sd["state"].items()}
         return model_sd, {**optim_sd, "state": state}
 
@@ -106,9 +137,9 @@ def expert_checkpoint_transforms(model, meshes):
 
 
 def _ep_major_mesh(meshes):
-    """This stage's ranks as an (ep, edp) DeviceMesh, without creating process groups."""
+    """This stage's ranks as an (ep, etp, edp) DeviceMesh, without creating process groups."""
     from torch.distributed.device_mesh import DeviceMesh
     plan = meshes.plan
-    grid = torch.arange(plan.world).reshape(plan.pp, plan.edp, plan.ep)[meshes.pp_rank]
-    return DeviceMesh(meshes.expert.device_type, grid.T.contiguous(), mesh_dim_names=("ep", "edp"),
-                      _init_backend=False)
+    grid = torch.arange(plan.world).reshape(plan.pp, plan.edp, plan.ep, plan.etp)[meshes.pp_rank]
+    return DeviceMesh(meshes.expert.device_type, grid.permute(1, 2, 0).contiguous(),
+                      mesh_dim_names=("ep", "etp", "edp"), _init_backend=False)

@@ -1,7 +1,7 @@
 """Global gradient norm and clipping that count every parameter element once, whatever the layout.
 
 A rank's gradient tensor for a parameter may be a full copy (dp replicas), a tp piece, an
-expert-parallel piece, a ZeRO-2 slice or an FSDP2 shard. Within one pipeline stage the
+expert-parallel piece (of an expert's d_ff too, under etp), a ZeRO-2 slice or an FSDP2 shard. Within one pipeline stage the
 dp*tp ranks hold `replicas = dp*tp / pieces` copies of each element, so the world-wide sum
 of (local squared norm / replicas) is the squared norm of the whole model's gradient. A
 weight held by two pipeline stages (tied embeddings) is counted on the first one only.
@@ -31,10 +31,11 @@ def weighted_grads(model, plan, kinds: dict, zero, counted_elsewhere=frozenset()
         if g is None:
             continue
         kind = kinds.get(id(p), "dense")
-        pieces = (plan.ep if kind == "expert" else 1) * shard_pieces(g)
-        if g is not p.grad:  # a ZeRO-2 slice of the (tp/ep-local) parameter
+        split = plan.ep * plan.etp if kind == "expert" else 1  # expert slices: ep x etp pieces
+        pieces = split * shard_pieces(g)
+        if g is not p.grad:  # a ZeRO-2 slice of the (tp/ep/etp-local) parameter
             slices = {"dense": plan.dp, "pool": pool, "expert": plan.edp}[kind]
-            pieces = (plan.ep if kind == "expert" else 1) * slices * shard_pieces(p)
+            pieces = split * slices * shard_pieces(p)
         weight = 0.0 if id(p) in counted_elsewhere else 1.0 / max(pool // pieces, 1)
         out.append((local(g), weight))
     return out

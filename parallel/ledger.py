@@ -16,6 +16,8 @@ Kind, from the op and the process group it runs on (mesh.py dims):
   zero_param_gather         all_gather over dp / pool / edp (ZeRO-1/2 slices, FSDP2 params)
   zero_grad_reduce_scatter  reduce_scatter over dp / pool / edp (ZeRO-2, FSDP2)
   expert_all_to_all         all_to_all over ep (token dispatch and combine, count tables)
+  expert_tensor_parallel    all_to_all over etp (rows gathered for the d_ff slices, partial
+                            outputs returned, count tables: moe/expert_tp.py)
   tensor_parallel           any collective over tp (incl. MoE sequence<->batch all_to_all)
   pipeline                  send/recv and reductions over pp
   tied_embedding            the tied weight's gradient sum over the first/last stage pair
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = ("dp_grad_reduce", "zero_param_gather", "zero_grad_reduce_scatter", "expert_all_to_all",
-         "tensor_parallel", "pipeline", "tied_embedding", "other")
+         "expert_tensor_parallel", "tensor_parallel", "pipeline", "tied_embedding", "other")
 DATA_DIMS = {"dp", "pool", "edp"}
 # op name -> (collective class, index of the argument holding this rank's input)
 _OPS = {"allreduce_": ("reduce", 0), "allreduce_coalesced_": ("reduce", 0), "all_reduce": ("reduce", 0),
@@ -75,6 +77,8 @@ def classify(collective: str, dims: set) -> str:
     if collective in ("p2p", "recv") or "pp" in dims:
         return "pipeline"
     if collective == "a2a":
+        if "etp" in dims:
+            return "expert_tensor_parallel"
         return "expert_all_to_all" if "ep" in dims else "tensor_parallel" if "tp" in dims else "other"
     if "tp" in dims and not dims & DATA_DIMS:
         return "tensor_parallel"
@@ -177,7 +181,7 @@ class _Tap(TorchDispatchMode):
 
 def mesh_groups(meshes, extra: dict = None) -> dict:
     """{dim: group} for CommLedger from a parallel.mesh.Meshes (plus e.g. {"tied": group})."""
-    groups = {dim: meshes.group(dim) for dim in ("pp", "dp", "tp", "edp", "ep", "pool")}
+    groups = {dim: meshes.group(dim) for dim in ("pp", "dp", "tp", "edp", "ep", "etp", "pool")}
     return {**groups, **(extra or {})}
 
 

@@ -1,12 +1,14 @@
 """Device meshes built from a validated ParallelPlan (see plan.py for the rank layout).
 
 P ranks = pp * dp * tp. Three views of the same ranks, each a DeviceMesh with named dims:
-  dense  ("pp", "dp", "tp"): attention/embeddings/dense FFN; dp averages, tp splits.
-  expert ("pp", "edp", "ep"): MoE experts; ep splits experts, edp holds copies.
-  pool   ("pp", "pool"):      the dp*tp ranks of one stage that see distinct tokens in MoE
-                              layers; router (and shared-expert) grads are reduced over it.
+  dense  ("pp", "dp", "tp"):         attention/embeddings/dense FFN; dp averages, tp splits.
+  expert ("pp", "edp", "ep", "etp"): MoE experts; ep splits experts, etp splits each
+                                     expert's d_ff, edp holds copies.
+  pool   ("pp", "pool"):             the dp*tp ranks of one stage that see distinct tokens in
+                                     MoE layers; router (and shared-expert) grads reduce over it.
 Rank r sits at dense[r // (dp*tp), (r // tp) % dp, r % tp]; the pool index is r % (dp*tp) and
-the expert coordinates are (pool // ep, pool % ep), so with ep == tp the ep group is the tp group.
+the expert coordinates are (pool // (ep*etp), (pool // etp) % ep, pool % etp), so with
+etp == 1 and ep == tp the ep group is the tp group, and with etp == tp the etp group is.
 Every mesh creation is a collective: all ranks must call build_meshes with the same plan.
 `rank_groups(plan)` is the same layout as pure arithmetic (no process group needed).
 """
@@ -32,11 +34,11 @@ class Meshes:
     pool: DeviceMesh
 
     def group(self, name: str):
-        """Process group of this rank along one named dim: pp, dp, tp, edp, ep or pool."""
+        """Process group of this rank along one named dim: pp, dp, tp, edp, ep, etp or pool."""
         for mesh in (self.dense, self.expert, self.pool):
             if name in mesh.mesh_dim_names:
                 return mesh.get_group(name)
-        raise KeyError(f"no mesh dim named {name!r}; use pp, dp, tp, edp, ep or pool")
+        raise KeyError(f"no mesh dim named {name!r}; use pp, dp, tp, edp, ep, etp or pool")
 
     def size(self, name: str) -> int:
         return dist.get_world_size(self.group(name))
@@ -61,19 +63,19 @@ def build_meshes(plan: ParallelPlan, device_type: str | None = None) -> Meshes:
     ranks = torch.arange(world)
     dense = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.dp, plan.tp),
                        mesh_dim_names=("pp", "dp", "tp"))
-    expert = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.edp, plan.ep),
-                        mesh_dim_names=("pp", "edp", "ep"))
+    expert = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp),
+                        mesh_dim_names=("pp", "edp", "ep", "etp"))
     pool = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.dp * plan.tp),
                       mesh_dim_names=("pp", "pool"))
     return Meshes(plan, dense, expert, pool)
 
 
 def rank_groups(plan: ParallelPlan) -> dict:
-    """{dim: [rank list of every group along it]} for pp, dp, tp, edp, ep and pool, computed
+    """{dim: [rank list of every group along it]} for pp, dp, tp, edp, ep, etp and pool, computed
     without communication: exactly the groups build_meshes creates for this plan."""
     ranks = torch.arange(plan.world)
     views = {("pp", "dp", "tp"): ranks.reshape(plan.pp, plan.dp, plan.tp),
-             ("pp", "edp", "ep"): ranks.reshape(plan.pp, plan.edp, plan.ep),
+             ("pp", "edp", "ep", "etp"): ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp),
              ("pp", "pool"): ranks.reshape(plan.pp, plan.dp * plan.tp)}
     out = {}
     for names, grid in views.items():

@@ -164,7 +164,7 @@ class Parallelized:
         steps = []
         if self.tied is not None:
             steps.append(self.tied.checkpoint_transforms())
-        if self.meshes is not None and self.plan.ep > 1:
+        if self.meshes is not None and (self.plan.ep > 1 or self.plan.etp > 1):
             from .expert import expert_checkpoint_transforms
             steps.append(expert_checkpoint_transforms(self.model, self.meshes))
 

@@ -4,9 +4,11 @@ Rank layout (outer to inner): pp x dp x tp = world. The dense side uses the mesh
 ("pp", "dp", "tp"). The expert side reuses the same ranks: within one pipeline stage the
 dp*tp ranks form a pool of distinct token streams (under tp, MoE layers split each
 microbatch's sequences across the tp ranks so every token is routed once), and that pool is
-regrouped as ("edp", "ep") with ep innermost. So **ep must divide dp*tp** (not only dp):
-ep=2 tp=2 dp=1 puts experts across the tp pair. edp = dp*tp/ep ranks hold the same experts
-and average their gradients (or shard them under ZeRO).
+regrouped as ("edp", "ep", "etp") with etp innermost (parallel folding: the expert side's
+degrees are independent of the dense side's). So **ep*etp must divide dp*tp** (not only dp):
+ep=2 tp=2 dp=1 puts experts across the tp pair. etp ranks split each expert's d_ff
+(expert tensor parallelism); edp = dp*tp/(ep*etp) ranks hold the same expert slices and
+average their gradients (or shard them under ZeRO).
 
 `validate` never communicates: it is pure arithmetic on the plan, the world size and the
 model/MoE/batch sizes, and every error names the field and a fix.
@@ -33,6 +35,7 @@ class ParallelPlan:
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree (attention heads, dense MLP, vocab split)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (number of ranks in the pipeline)"})
     ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*tp and moe.num_experts"})
+    etp: int = field(default=1, metadata={"help": "expert tensor parallelism: each routed expert's d_ff split over etp ranks (ep*etp must divide dp*tp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
     pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b"})
     pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, else 1)"})
@@ -50,6 +53,8 @@ class ParallelPlan:
         is not at its default, so a user can confirm offload / ZeRO++ / schedule are on."""
         s = (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} zero={self.zero} "
              f"precision={self.precision}")
+        if self.etp > 1:
+            s += f" etp={self.etp}"
         if self.pp > 1:
             s += f" pp_schedule={self.pp_schedule} microbatches={self.microbatches or self.pp}"
         extras = [f"{f.name}={_toml(getattr(self, f.name))}" for f in dataclasses.fields(self)
@@ -63,8 +68,8 @@ class ParallelPlan:
 
     @property
     def edp(self) -> int:
-        """Ranks holding the same experts (expert-data-parallel degree)."""
-        return self.dp * self.tp // self.ep
+        """Ranks holding the same expert slices (expert-data-parallel degree)."""
+        return self.dp * self.tp // (self.ep * self.etp)
 
     @property
     def stages_per_rank(self) -> int:
@@ -124,7 +129,7 @@ def _check_choices(p: ParallelPlan) -> None:
 
 
 def _check_degrees(p: ParallelPlan) -> None:
-    for name in ("tp", "pp", "ep"):
+    for name in ("tp", "pp", "ep", "etp"):
         v = getattr(p, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise _err(f"parallel.{name}={v!r} must be an integer >= 1")
@@ -187,6 +192,10 @@ def _check_ep(p: ParallelPlan) -> None:
     if (p.dp * p.tp) % p.ep:
         raise _err(f"parallel.ep={p.ep} must divide dp*tp = {p.dp}*{p.tp} = {p.dp * p.tp} (experts "
                    f"are spread over the ranks of one pipeline stage); lower ep or raise dp")
+    if (p.dp * p.tp) % (p.ep * p.etp):
+        raise _err(f"parallel.ep*etp = {p.ep}*{p.etp} must divide dp*tp = {p.dp}*{p.tp} = "
+                   f"{p.dp * p.tp} (each expert's d_ff is split over etp of one stage's ranks); "
+                   f"lower etp or raise dp")
 
 
 def _check_zero_family(p: ParallelPlan) -> None:
@@ -235,6 +244,10 @@ def _check_replicas(p: ParallelPlan, moe_cfg) -> None:
     if R and p.ep == 1:
         raise _err(f"moe.replica_slots={R} replicates hot experts across expert-parallel ranks, "
                    f"but parallel.ep=1; set parallel.ep > 1 or moe.replica_slots=0")
+    if R and p.etp > 1:
+        raise _err(f"moe.replica_slots={R} with parallel.etp={p.etp}: replica placement is decided "
+                   f"per expert-parallel group and would differ between the ranks that split an "
+                   f"expert; set moe.replica_slots=0 or parallel.etp=1")
     if p.ep > 1 and E % p.ep == 0 and R > E - E // p.ep:
         raise _err(f"moe.replica_slots={R} exceeds the {E - E // p.ep} experts an ep rank does "
                    f"not own (moe.num_experts={E}, parallel.ep={p.ep}); use at most {E - E // p.ep}")
@@ -261,6 +274,24 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
                    f"pick an ep that divides it")
     if not _has_moe(moe_cfg) and p.ep > 1 and moe_cfg is not None:
         raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
+    if p.etp > 1:
+        _check_etp_model(p, m, moe_cfg)
+
+
+def _check_etp_model(p: ParallelPlan, m, moe_cfg) -> None:
+    """Expert tensor parallelism splits the routed experts' d_ff (moe/expert_tp.py)."""
+    if moe_cfg is not None and not _has_moe(moe_cfg):
+        raise _err(f"parallel.etp={p.etp} splits routed experts, and moe.every=0 makes a dense "
+                   f"model; set etp=1")
+    if moe_cfg is None:
+        return
+    d_ff = getattr(moe_cfg, "d_ff", 0) or getattr(m, "d_ff", 0)
+    if d_ff % p.etp:
+        raise _err(f"the experts' d_ff={d_ff} (moe.d_ff, else model.d_ff) is not divisible by "
+                   f"parallel.etp={p.etp}; pick an etp that divides it")
+    if getattr(m, "bias", False) and getattr(m, "arch", "gpt") == "gpt":
+        raise _err(f"parallel.etp={p.etp} with model.bias=true: the experts' output bias is added "
+                   f"once per row, not per d_ff slice; set model.bias=false or parallel.etp=1")
 
 
 def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool) -> None:

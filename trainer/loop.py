@@ -398,7 +398,7 @@ class Trainer:
         plan = self.par.plan
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
                  "config": to_dict(self.cfg),
-                 "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "zero")}}
+                 "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "etp", "zero")}}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer, state,

@@ -21,6 +21,9 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
   expert all-to-all, per MoE layer and micro-batch: 2 (A + r A) rows of D (dispatch and
     combine, forward and backward; A = b S K / tp own rows, r A received at imbalance r,
     capped by the capacity factor), + the P x L int64 count table
+  expert tensor parallel (etp > 1), per MoE layer and micro-batch: 4 n N rows of D (the
+    gather and the partial outputs, forward and backward; N rows reached this rank's
+    experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
   tensor parallel, per micro-batch (activation dtype): embedding all-reduce b S D; per block
     attention gather + reduce-scatter and their backward 2 b (S/tp) D + 2 b S D, a dense FFN
     the same again, an MoE layer 4 b (S/tp) D (sequence <-> batch all-to-all, both ways);
@@ -128,6 +131,8 @@ def micro_count(w, plan) -> int:
 
 def _experts(w, plan, state, book) -> None:
     moe_blocks = [i for i in w.blocks_on(state, plan) if w.is_moe_block(i)]
+    if plan.etp > 1 and moe_blocks:
+        _expert_tensor(w, plan, moe_blocks, book)
     if plan.ep == 1 or not moe_blocks:
         return
     moe, seqs = w.moe_cfg, micro_seqs(w, plan)
@@ -143,6 +148,27 @@ def _experts(w, plan, state, book) -> None:
     row_bytes = w.model_cfg.d_model * 4
     table = moe.num_experts * 8 * len(moe_blocks) * len(w.stream_tokens) * (2 if again else 1)
     book("a2a", "ep", (rows * row_bytes + table) * micro_count(w, plan))
+
+
+def _expert_tensor(w, plan, moe_blocks, book) -> None:
+    """moe/expert_tp.py per MoE layer and micro-batch, N = the rows this rank's experts got
+    (r A under ep, else A), n = etp: the gather hands over its N rows once per rank (n N rows)
+    and the partial outputs of the group's n N rows go back (n N rows); backward mirrors
+    both; plus the n x W int64 count table (W = E/ep local experts). Recomputation repeats
+    the forward."""
+    moe, seqs, n = w.moe_cfg, micro_seqs(w, plan), plan.etp
+    passes = 3 if plan.recompute == "full" else 2
+    r = 1.0 if plan.ep == 1 else \
+        w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
+    rows = 0.0
+    for S in w.stream_tokens.values():
+        own = seqs * S * moe.top_k / plan.tp
+        if moe.capacity_factor and moe.capacity_factor < 1:
+            own *= moe.capacity_factor
+        rows += len(moe_blocks) * passes * 2 * n * r * own
+    table = n * (moe.num_experts // plan.ep) * 8 * len(moe_blocks) * len(w.stream_tokens)
+    table *= passes - 1
+    book("a2a", "etp", (rows * w.model_cfg.d_model * 4 + table) * micro_count(w, plan))
 
 
 def _tensor(w, plan, state, book, out, events) -> None:

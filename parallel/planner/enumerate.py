@@ -1,7 +1,7 @@
 """Every layout of a world size that ParallelPlan.validate (or the caller's check) accepts.
 
-The candidate degrees are all factorizations world = dp * tp * pp, every ep dividing dp*tp,
-ZeRO 0-3, recompute none/full and, with pp > 1, each schedule with micro-batch counts
+The candidate degrees are all factorizations world = dp * tp * pp, every ep dividing dp*tp
+and every etp dividing dp*tp/ep (expert tensor parallelism), ZeRO 0-3, recompute none/full and, with pp > 1, each schedule with micro-batch counts
 pp, 2pp, 4pp and 8pp; and the ZeRO family: offload none/optimizer/params, ZeRO++ off/on
 (on = qwZ + qgZ under ZeRO-3, qgZ under ZeRO-2) and, under ZeRO-3, hpZ off or with the dp
 ranks of one node (gpus_per_node / tp). validate decides which of them are layouts (it
@@ -33,17 +33,22 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
             dp = world // (tp * pp)
             schedules = ("gpipe", "1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
             mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
-            for ep in _divisors(dp * tp):
+            for ep, etp in _expert_degrees(dp * tp):
                 for zero in zeros:
                     for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
                         for rc in recomputes:
                             for sched in schedules:
                                 for mb in mbs:
                                     out.append(dataclasses.replace(
-                                        base, dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, recompute=rc,
-                                        pp_schedule=sched, microbatches=mb, pp_stages_per_rank=0,
-                                        **family))
+                                        base, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, zero=zero,
+                                        recompute=rc, pp_schedule=sched, microbatches=mb,
+                                        pp_stages_per_rank=0, **family))
     return out
+
+
+def _expert_degrees(pool: int) -> list:
+    """(ep, etp) with ep * etp dividing the pool of a stage's dp*tp ranks."""
+    return [(ep, etp) for ep in _divisors(pool) for etp in _divisors(pool // ep)]
 
 
 def _zero_family(zero: int, dp: int, tp: int, offloads, zeropp, gpus_per_node: int) -> list:

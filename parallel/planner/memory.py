@@ -106,7 +106,9 @@ def block_act_elems(w, i: int, stream: str, plan) -> float:
         if plan.ep > 1 and moe.capacity_factor:
             r = min(r, moe.capacity_factor)
         hidden = (3 if w.gated else 2) * w.expert_d_ff
-        out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * (3 * D + hidden)
+        # per routed row: its input and output D and the expert's hidden; under etp each
+        # rank holds the etp rows of its group (etp x D) with 1/etp of the hidden each
+        out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * ((2 + plan.etp) * D + hidden)
     else:
         out += 2 * D + (3 if w.gated else 2) * m.d_ff
     return out

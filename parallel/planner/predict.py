@@ -57,7 +57,7 @@ class StateCache:
     def get(self, plan, rank):
         zero = 1 if plan.zero in (0, 1, 2) else 3
         hpz = plan.zeropp_hpz  # splits FSDP2 units; offload and quantization are formulas
-        key = (plan.dp, plan.tp, plan.pp, plan.ep, zero, plan.stages_per_rank, hpz, rank)
+        key = (plan.dp, plan.tp, plan.pp, plan.ep, plan.etp, zero, plan.stages_per_rank, hpz, rank)
         if key not in self.states:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
                                        offload="none", zeropp_quantize_weights=False,

@@ -38,7 +38,7 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-DIMS = ("pp", "dp", "tp", "edp", "ep", "pool")
+DIMS = ("pp", "dp", "tp", "edp", "ep", "etp", "pool")
 
 
 def group_dims(meshes) -> dict:

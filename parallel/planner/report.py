@@ -12,6 +12,8 @@ BUILD_ERRORS = (ValueError, NotImplementedError, TypeError)
 
 def layout_name(plan) -> str:
     parts = [f"dp{plan.dp}", f"tp{plan.tp}", f"pp{plan.pp}", f"ep{plan.ep}", f"z{plan.zero}"]
+    if plan.etp > 1:
+        parts.insert(4, f"etp{plan.etp}")
     if plan.recompute != "none":
         parts.append("rc")
     if plan.offload != "none":

@@ -12,7 +12,8 @@
                (2 x stepped bytes); offload=params also copies every FSDP2 shard up for each
                gather (forward and backward, per micro-batch) and its gradient down. The host
                optimizer step itself is not modelled.
-  per stage  = (t_compute + t_tensor_parallel + t_expert_all_to_all + t_pipeline)
+  per stage  = (t_compute + t_tensor_parallel + t_expert_all_to_all
+                + t_expert_tensor_parallel + t_pipeline)
                / (1 - bubble) + t_gradient_sync (dp/ZeRO/FSDP, tied embedding, other) + t_host
   step time  = the slowest pipeline stage; throughput = global tokens / step time
 The micro-batch work is stretched by the pipeline bubble; the data-parallel reductions run
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from ..mesh import rank_groups
 
-INSIDE_STEP = {"tensor_parallel", "expert_all_to_all", "pipeline"}
+INSIDE_STEP = {"tensor_parallel", "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
 _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
          "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0}
 

@@ -66,7 +66,10 @@ W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("pp2_zero3_dp2_tied", dict(pp=2, zero=3, microbatches=2), TIED)]
 
 W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), UNTIED),
-      ("dp2_tp2_pp2_ep2_zero1_tied", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), TIED)]
+      ("dp2_tp2_pp2_ep2_zero1_tied", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), TIED),
+      # expert tensor parallelism composed: experts over ep x etp, their slices FSDP2-sharded
+      # over edp = 8/(2*2) = 2, attention and the dense FFN over tp
+      ("dp4_tp2_ep2_etp2_zero3", dict(dp=4, tp=2, ep=2, etp=2, zero=3), TIED)]
 
 
 def test_world2_data_zero_expert_tensor_pipeline():

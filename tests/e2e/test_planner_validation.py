@@ -45,6 +45,8 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
          "zeropp_quantize_grads": True}),
     (2, {"dp": 2, "zero": 2, "offload": "optimizer", "zeropp_quantize_grads": True}),
     (4, {"dp": 4, "zero": 3, "zeropp_hpz": 2}),
+    # expert tensor parallelism: each expert's d_ff over the 2 ranks (ZeRO-1 slices of it)
+    (2, {"dp": 2, "etp": 2, "zero": 1}),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 

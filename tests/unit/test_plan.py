@@ -168,3 +168,30 @@ def test_zero_family_combinations_that_work_validate():
                    dict(zero=3, offload="params", zeropp_quantize_weights=True, zeropp_quantize_grads=True),
                    dict(zero=3, offload="optimizer", zeropp_hpz=2), dict(zero=3, offload="params", zeropp_hpz=2)):
         assert ParallelPlan(**kwargs).validate(4).offload == kwargs.get("offload", "none")
+
+
+@pytest.mark.parametrize("kwargs,world,model_kw,moe_kw,pattern", [
+    (dict(dp=4, ep=2, etp=4), 4, {}, {}, r"parallel\.ep\*etp = 2\*4 must divide dp\*tp = 4\*1"),
+    (dict(dp=4, etp=0), 4, {}, {}, r"parallel\.etp=0 must be an integer >= 1"),
+    (dict(dp=4, etp=4), 4, {}, {"d_ff": 66}, r"d_ff=66 .* not divisible by parallel\.etp=4"),
+    (dict(dp=2, etp=2), 2, {"bias": True}, {}, r"parallel\.etp=2 with model\.bias=true.*model\.bias=false"),
+    (dict(dp=4, ep=2, etp=2), 4, {}, {"replica_slots": 1}, r"moe\.replica_slots=1 with parallel\.etp=2"),
+    (dict(dp=2, etp=2), 2, {}, {"every": 0}, r"parallel\.etp=2 splits routed experts.*etp=1"),
+])
+def test_expert_tensor_parallel_refusals_name_the_field(kwargs, world, model_kw, moe_kw, pattern):
+    model = ModelConfig(**{**MODEL.__dict__, **model_kw})
+    moe = MoEConfig(**{**MOE.__dict__, **moe_kw})
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world, model, moe)
+
+
+def test_expert_tensor_parallel_folds_over_the_stage_pool():
+    """etp is independent of tp: the expert side regroups each stage's dp*tp ranks."""
+    plan = ParallelPlan(dp=2, tp=4, ep=2, etp=2).validate(8, MODEL, MOE)
+    assert (plan.edp, plan.ep, plan.etp) == (2, 2, 2)
+    assert "etp=2" in plan.summary() and "etp" not in ParallelPlan().validate(1).summary()
+    from parallel.mesh import rank_groups
+    groups = rank_groups(plan)
+    assert groups["etp"][:2] == [[0, 1], [2, 3]]   # innermost: neighbouring ranks
+    assert groups["ep"][:2] == [[0, 2], [1, 3]]
+    assert groups["edp"][:2] == [[0, 4], [1, 5]]
