@@ -2,14 +2,16 @@
 
     python bench/pipeline_bubble.py [--pp 2] [--mbs 2 4 8] [--steps 5] [--d-model 256] [--schedules ...]
 
-Each schedule (gpipe, 1f1b, interleaved_1f1b) runs a dense GPT (8 layers, MoE off) split
+Each schedule (gpipe, 1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev) runs a dense GPT (8 layers, MoE off) split
 over --pp processes (gloo, one thread each) for --steps timed optimizer steps after 2 warm-up
 ones, at each micro-batch count. Idle fraction of a stage = 1 - (its process CPU time /
 wall time) over the timed steps: with one thread per process and gloo's blocking waits, a
 rank burns CPU only while it computes (or copies a message), so the rest is time spent
 waiting for the neighbour stage (the bubble, plus message latency). Needs the cores to
 itself: with other jobs running, waiting for a core looks like idle time too.
-Predicted = parallel/planner/schedule.py: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), v=2.
+Predicted = parallel/planner/schedule.py: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), v=2;
+zb_interleaved (p-1)/(3 v m+p-1), zbv and dualpipev 0 (at equal forward / input-backward /
+weight-backward times).
 """
 import argparse
 import os
@@ -30,7 +32,9 @@ from parallel.planner.schedule import bubble_fraction  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 S, V = 128, 256
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+from parallel.plan import PP_SCHEDULES  # noqa: E402
+
+SCHEDULES = PP_SCHEDULES
 
 
 def _loss(logits, y):
@@ -69,10 +73,10 @@ def main():
           + f"{'mean':>8}")
     for schedule in args.schedules:
         for m in args.mbs:
-            if m < args.pp and schedule != "gpipe":
+            if (m < args.pp and schedule != "gpipe") or (schedule == "dualpipev" and m < 2 * args.pp):
                 continue
             idle = run_distributed(_run, args.pp, schedule, m, args.steps, args.d_model, timeout=900)
-            chunks = 2 if schedule == "interleaved_1f1b" else 1
+            chunks = 1 if schedule in ("gpipe", "1f1b") else 2
             pred = bubble_fraction(schedule, args.pp, m, chunks)
             print(f"{schedule:<18}{m:>4}{pred:>11.2f}" + "".join(f"{v:>10.2f}" for v in idle)
                   + f"{sum(idle) / len(idle):>8.2f}")

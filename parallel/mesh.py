@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .plan import ParallelPlan
+from .plan import V_SCHEDULES, ParallelPlan
 
 
 def default_device_type() -> str:
@@ -90,9 +90,10 @@ def rank_groups(plan: ParallelPlan) -> dict:
 def stage_pair_group(meshes: Meshes):
     """Collective (every rank calls it): the group of this rank's first- and last-stage peers
     (same dp and tp coordinates), for a weight both ends of the pipeline hold; None when
-    pp == 1 or this rank is in neither end stage."""
+    pp == 1, under a V-shape schedule (zbv, dualpipev: pipeline rank 0 holds both ends) or
+    when this rank is in neither end stage."""
     plan, grid = meshes.plan, meshes.dense.mesh
-    if plan.pp == 1:
+    if plan.pp == 1 or plan.pp_schedule in V_SCHEDULES:  # V: both ends on pipeline rank 0
         return None
     mine = None
     for d in range(plan.dp):

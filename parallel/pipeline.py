@@ -28,8 +28,12 @@ from moe import MoELayer
 from moe.aux import inject_aux_loss
 
 from .dtensors import local
+from .plan import LOOPED_SCHEDULES, V_SCHEDULES
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+             "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zb_interleaved": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
 
 
 def _keep_blocks(blocks: nn.ModuleList, keep: list) -> nn.ModuleList:
@@ -41,6 +45,10 @@ def _keep_blocks(blocks: nn.ModuleList, keep: list) -> nn.ModuleList:
 
 
 def _stage_ids(plan, pp_rank: int) -> list:
+    """Looped placement (r, r+pp, ...), or the V of zbv/dualpipev: r and 2pp-1-r, so the
+    last stage sits on rank 0 beside the first."""
+    if plan.pp_schedule in V_SCHEDULES:
+        return [pp_rank, 2 * plan.pp - 1 - pp_rank]
     return [pp_rank + k * plan.pp for k in range(plan.stages_per_rank)]
 
 
@@ -111,7 +119,7 @@ class PipelineRunner:
         stages = [pipelining.PipelineStage(c, s, self.plan.num_stages, device, group=group)
                   for c, s in zip(self.chunks, self.stage_ids)]
         cls = getattr(pipelining, SCHEDULES[self.plan.pp_schedule])
-        arg = stages if self.plan.pp_schedule == "interleaved_1f1b" else stages[0]
+        arg = stages if self.plan.pp_schedule in LOOPED_SCHEDULES + V_SCHEDULES else stages[0]
         return cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
 
     def step(self, x_BS, y_BS):
@@ -149,17 +157,71 @@ class PipelineRunner:
         A schedule of its own, always run forward-only: sharing the training schedule would
         redo its shape inference (a real forward) at every train/eval switch.
         """
-        if self.eval_schedule is None:
-            self.eval_schedule = self._build()
         losses = []
         first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids
-        with torch.no_grad():
-            self.eval_schedule.eval(*((x_BS,) if first else ()), target=y_BS if last else None,
-                                    losses=losses)
+        if self.plan.pp_schedule in V_SCHEDULES:
+            with torch.no_grad():
+                losses = self._v_forward(x_BS, y_BS)
+        else:
+            if self.eval_schedule is None:
+                self.eval_schedule = self._build()
+            with torch.no_grad():
+                self.eval_schedule.eval(*((x_BS,) if first else ()), target=y_BS if last else None,
+                                        losses=losses)
         task = torch.stack([l.float() for l in losses]).mean() if last and losses else torch.zeros(())
         task = task.reshape(1).to(x_BS.device)
         dist.all_reduce(task, group=self.meshes.group("pp"))
         return task[0]
+
+
+    def _v_forward(self, x_BS, y_BS) -> list:
+        """Forward-only losses of a V placement (zbv, dualpipev), microbatch by microbatch.
+
+        torch 2.13's zero-bubble V schedules fail in eval() ("can't steal_bwd_input if this
+        stage doesn't have backward": their local hand-over at the V's tip expects a
+        backward), so evaluation walks the stages itself: stage k runs on rank k (k < pp)
+        or 2pp-1-k, each activation goes to the next stage's rank by send/recv (a small
+        header first: its shape and dtype), and rank 0, holding both ends, computes the loss.
+        """
+        p, me, n = self.plan.pp, self.meshes.rank("pp"), self.plan.num_stages
+        group = self.meshes.group("pp")
+        owner = [k if k < p else n - 1 - k for k in range(n)]
+        chunk_of = dict(zip(self.stage_ids, self.chunks))
+        device = local(next(self.model.parameters())).device
+        losses = []
+        for i in range(self.plan.microbatches):
+            h = None
+            for k in range(n):
+                if owner[k] != me:
+                    continue
+                if k > 0 and owner[k - 1] != me:
+                    h = _recv_activation(dist.get_global_rank(group, owner[k - 1]), device, group)
+                h = chunk_of[k](x_BS.chunk(self.plan.microbatches)[i] if k == 0 else h)
+                if k < n - 1 and owner[k + 1] != me:
+                    _send_activation(h, dist.get_global_rank(group, owner[k + 1]), group)
+            if n - 1 in self.stage_ids:
+                losses.append(self.loss_fn(h, y_BS.chunk(self.plan.microbatches)[i]))
+        return losses
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _send_activation(h, dst: int, group) -> None:
+    h = local(h).contiguous()
+    header = torch.tensor([h.dim(), *h.shape, *[0] * (4 - h.dim()), _DTYPES.index(h.dtype)],
+                          dtype=torch.long, device=h.device)
+    dist.send(header, dst, group=group)
+    dist.send(h, dst, group=group)
+
+
+def _recv_activation(src: int, device, group):
+    header = torch.empty(6, dtype=torch.long, device=device)
+    dist.recv(header, src, group=group)
+    ndim, *dims = header[:5].tolist()
+    h = torch.empty(dims[:ndim], dtype=_DTYPES[int(header[5])], device=device)
+    dist.recv(h, src, group=group)
+    return h
 
 
 class TiedEmbedding:

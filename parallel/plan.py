@@ -16,7 +16,10 @@ model/MoE/batch sizes, and every error names the field and a fix.
 import dataclasses
 from dataclasses import dataclass, field
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_interleaved", "zbv", "dualpipev")
+LOOPED_SCHEDULES = ("interleaved_1f1b", "zb_interleaved")  # stages r, r+pp, ... on rank r
+V_SCHEDULES = ("zbv", "dualpipev")                          # stages r and 2pp-1-r on rank r
+ZERO_BUBBLE = ("zb_interleaved", "zbv", "dualpipev")       # backward split: input, then weight
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
 OFFLOADS = ("none", "optimizer", "params")
@@ -37,8 +40,8 @@ class ParallelPlan:
     ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*tp and moe.num_experts"})
     etp: int = field(default=1, metadata={"help": "expert tensor parallelism: each routed expert's d_ff split over etp ranks (ep*etp must divide dp*tp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
-    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b"})
-    pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, else 1)"})
+    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b | zb_interleaved (interleaved zero bubble) | zbv (zero bubble, V-shape stages) | dualpipev (DeepSeek-V3's DualPipe, V-shape)"})
+    pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, zb_interleaved, zbv and dualpipev, else 1)"})
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
@@ -75,7 +78,8 @@ class ParallelPlan:
     def stages_per_rank(self) -> int:
         if self.pp_stages_per_rank > 0:
             return self.pp_stages_per_rank
-        return 2 if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 else 1
+        multi = self.pp_schedule in LOOPED_SCHEDULES + V_SCHEDULES
+        return 2 if multi and self.pp > 1 else 1
 
     @property
     def num_stages(self) -> int:
@@ -144,9 +148,13 @@ def _check_degrees(p: ParallelPlan) -> None:
     if p.pp == 1 and p.pp_stages_per_rank > 1:
         raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs parallel.pp > 1; "
                    f"set pp_stages_per_rank=0")
-    if p.pp_schedule != "interleaved_1f1b" and p.pp_stages_per_rank > 1:
-        raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs "
-                   f"parallel.pp_schedule=interleaved_1f1b (gpipe/1f1b run one stage per rank)")
+    if p.pp_schedule in V_SCHEDULES and p.pp_stages_per_rank not in (0, 2):
+        raise _err(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank (a V: "
+                   f"stages r and 2*pp-1-r); set parallel.pp_stages_per_rank=0 or 2")
+    if p.pp_schedule not in LOOPED_SCHEDULES + V_SCHEDULES and p.pp_stages_per_rank > 1:
+        raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs a multi-stage schedule, "
+                   f"parallel.pp_schedule=interleaved_1f1b or zb_interleaved (gpipe/1f1b run one "
+                   f"stage per rank)")
 
 
 def check_seq_len(seq_len: int, tp: int, where: str) -> None:
@@ -218,6 +226,11 @@ def _check_zero_family(p: ParallelPlan) -> None:
         raise _err(f"parallel.zeropp_quantize_grads=true quantizes the gradient reduce-scatter of "
                    f"ZeRO-2/3 (got zero={p.zero}); set parallel.zero=2 or 3")
     _check_hpz(p)
+    if p.zero == 3 and p.pp > 1 and p.pp_schedule in ZERO_BUBBLE:
+        raise _err(f"parallel.pp_schedule={p.pp_schedule} with parallel.zero=3: the zero-bubble "
+                   f"schedules compute weight gradients after FSDP2 has reduce-scattered the "
+                   f"stage's gradients, so those are lost (measured); use parallel.zero=1 or 2, or "
+                   f"pp_schedule=1f1b / interleaved_1f1b with zero 3")
 
 
 def _check_hpz(p: ParallelPlan) -> None:
@@ -264,6 +277,11 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
             if v is not None and v % p.tp:
                 raise _err(f"model.{name}={v} is not divisible by parallel.tp={p.tp}; pick a tp that "
                            f"divides it (or change model.{name})")
+    if p.pp > 1 and p.pp_schedule in V_SCHEDULES and getattr(m, "tie_embeddings", False):
+        raise _err(f"parallel.pp_schedule={p.pp_schedule} with model.tie_embeddings=true: the V puts "
+                   f"both ends of the pipeline on rank 0, where torch 2.13's zero-bubble weight pass "
+                   f"gets the shared weight's gradient wrong (measured); set "
+                   f"model.tie_embeddings=false or use pp_schedule=zb_interleaved")
     n_layers = getattr(m, "n_layers", None)
     if p.pp > 1 and n_layers is not None and n_layers % p.num_stages:
         raise _err(f"model.n_layers={n_layers} is not divisible by the {p.num_stages} pipeline stages "
@@ -306,6 +324,15 @@ def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool) -> None:
     if p.pp > 1 and p.pp_schedule != "gpipe" and mb < p.pp:
         raise _err(f"parallel.microbatches={mb} is less than parallel.pp={p.pp}: schedule "
                    f"{p.pp_schedule} needs at least one microbatch per stage; raise microbatches")
+    if p.pp > 1 and p.pp_schedule == "dualpipev" and mb < p.num_stages:
+        raise _err(f"parallel.microbatches={mb}: pp_schedule dualpipev needs at least one microbatch "
+                   f"per stage ({p.num_stages} = 2 x parallel.pp={p.pp}); raise microbatches to "
+                   f"{p.num_stages} or more")
+    rounds = max(1, mb // p.pp)
+    if p.pp > 1 and p.pp_schedule == "zb_interleaved" and mb % rounds:
+        raise _err(f"parallel.microbatches={mb}: pp_schedule zb_interleaved runs rounds of "
+                   f"parallel.pp={p.pp} microbatches ({rounds} here) and needs a multiple of them; "
+                   f"use a multiple of {p.pp}")
     if p.tp > 1 and has_moe and (local // mb) % p.tp:
         raise _err(f"microbatch size {local // mb} sequences is not divisible by parallel.tp={p.tp}: "
                    f"MoE layers split whole sequences across tp ranks so each token is routed once; "

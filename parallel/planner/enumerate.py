@@ -9,6 +9,8 @@ alone knows the rules). Precision and compile come from the base plan unchanged.
 """
 import dataclasses
 
+from ..plan import PP_SCHEDULES
+
 
 
 def rejection(e: Exception) -> str:
@@ -31,7 +33,7 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            schedules = ("gpipe", "1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
+            schedules = PP_SCHEDULES if pp > 1 else ("1f1b",)
             mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
             for ep, etp in _expert_degrees(dp * tp):
                 for zero in zeros:

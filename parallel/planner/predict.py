@@ -62,8 +62,14 @@ class StateCache:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
                                        offload="none", zeropp_quantize_weights=False,
                                        zeropp_quantize_grads=False, zeropp_hpz=hpz)
-            self.states[key] = read_rank_state(self.build_model, base, rank)
-        return self.states[key]
+            try:
+                self.states[key] = read_rank_state(self.build_model, base, rank)
+            except (ValueError, NotImplementedError, TypeError) as e:  # parallelize refused it:
+                self.states[key] = e      # so will every plan with this key (schedules, m, ...)
+        state = self.states[key]
+        if isinstance(state, Exception):
+            raise type(state)(*state.args)  # a fresh one: the stored one's traceback stays short
+        return state
 
 
 def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:

@@ -6,17 +6,30 @@ chunk(s); the fill and drain leave each rank idle for (p-1) micro-batch slots (G
 1F1B), or (p-1)/v of them when each slot is a 1/v chunk (interleaved; Narayanan et al. 2021):
   bubble fraction (idle / step time) = (p-1) / (m + p - 1)          gpipe, 1f1b
                                      = (p-1) / (v*m + p - 1)        interleaved_1f1b
+The zero-bubble schedules split each backward into B (input gradient) and W (weight
+gradient) and fill the fill/drain slots with W; with T_F = T_B = T_W (each a third of a
+chunk's forward+backward; Qi et al. 2024's equal-time assumption):
+  zb_interleaved: idle (p-1)/3 chunk slots (ZB-H1's third of 1F1B's) -> (p-1) / (3*v*m + p - 1)
+  zbv, dualpipev: 0 (ZB-V, and DeepSeek-V3's DualPipe bubble (p/2-1)(F&B + B - 3W), vanish at
+                  equal times; real T_W < T_B leaves some, which bench/pipeline_bubble.py measures)
 Activations alive at the peak (in units of one micro-batch through one chunk):
   gpipe: m * v (all forwards before any backward)
   1f1b: min(m, p - s) (warm-up forwards of stage s)
-  interleaved_1f1b: min(m*v, 2*(p - s - 1) + (v - 1)*p + 1) (torch's warm-up count + 1)
+  interleaved_1f1b, zb_interleaved: min(m*v, 2*(p - s - 1) + (v - 1)*p + 1) (torch's warm-up
+      count + 1)
+  zbv, dualpipev: min(2m, 2p) (p micro-batches of both chunks: 1F1B's peak, Qi et al. 2024)
 """
+ZERO_BUBBLE_V = ("zbv", "dualpipev")
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     if pp <= 1:
         return 0.0
-    v = chunks if schedule == "interleaved_1f1b" else 1
+    if schedule in ZERO_BUBBLE_V:
+        return 0.0
+    v = chunks if schedule in ("interleaved_1f1b", "zb_interleaved") else 1
+    if schedule == "zb_interleaved":
+        return (pp - 1) / (3 * v * microbatches + pp - 1)
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
@@ -29,4 +42,6 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int
         return m * chunks
     if schedule == "1f1b":
         return min(m, pp - stage)
+    if schedule in ZERO_BUBBLE_V:
+        return min(2 * m, 2 * pp)
     return min(m * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)

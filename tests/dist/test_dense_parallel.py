@@ -53,7 +53,11 @@ W2 = [("dp2", dict(dp=2), TIED),
       ("ep2_tp2", dict(tp=2, ep=2), TIED),           # experts over the tp pair (ep | dp*tp)
       ("pp2_1f1b", dict(pp=2, microbatches=2), UNTIED),
       ("pp2_gpipe", dict(pp=2, microbatches=2, pp_schedule="gpipe"), UNTIED),
-      ("pp2_1f1b_tied", dict(pp=2, microbatches=2), TIED)]
+      ("pp2_1f1b_tied", dict(pp=2, microbatches=2), TIED),
+      # zero-bubble schedules (backward split into input and weight passes)
+      ("pp2_zb_interleaved_tied", dict(pp=2, microbatches=2, pp_schedule="zb_interleaved"), TIED),
+      ("pp2_zbv_recompute", dict(pp=2, microbatches=2, pp_schedule="zbv", recompute="full"), UNTIED),
+      ("pp2_dualpipev", dict(pp=2, microbatches=4, pp_schedule="dualpipev"), UNTIED)]
 
 W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("ep2_tp2_zero3_dp2", dict(tp=2, ep=2, zero=3), TIED),
@@ -63,7 +67,13 @@ W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("pp2_zero3_dp2", dict(pp=2, zero=3, microbatches=2), UNTIED),
       ("pp2_interleaved_tp2", dict(pp=2, tp=2, microbatches=2, pp_schedule="interleaved_1f1b"), UNTIED),
       ("ep2_pp2_dp2_zero2_tied", dict(pp=2, ep=2, zero=2, microbatches=2), TIED),
-      ("pp2_zero3_dp2_tied", dict(pp=2, zero=3, microbatches=2), TIED)]
+      ("pp2_zero3_dp2_tied", dict(pp=2, zero=3, microbatches=2), TIED),
+      # zero-bubble schedules with experts over ep=2 inside the stages (8 layers for the
+      # looped placement, so every rank holds MoE layers)
+      ("zbv_ep2_dp2_zero1", dict(pp=2, ep=2, zero=1, microbatches=2, pp_schedule="zbv"), UNTIED),
+      ("dualpipev_ep2_dp2", dict(pp=2, ep=2, microbatches=4, pp_schedule="dualpipev"), UNTIED),
+      ("zb_interleaved_ep2_dp2_zero2_tied", dict(pp=2, ep=2, zero=2, microbatches=2,
+                                                 pp_schedule="zb_interleaved"), {"n_layers": 8})]
 
 W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), UNTIED),
       ("dp2_tp2_pp2_ep2_zero1_tied", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), TIED),

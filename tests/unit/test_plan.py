@@ -48,7 +48,7 @@ def test_validate_returns_copy_and_keeps_explicit_dp():
     (dict(compile="yes"), 4, r"parallel\.compile='yes' must be true or false"),
     (dict(ep=3), 4, r"parallel\.ep=3 must divide dp\*tp"),
     (dict(tp=4, pp=1, ep=8), 4, r"parallel\.ep=8 must divide dp\*tp = 1\*4 = 4"),
-    (dict(pp_stages_per_rank=2, pp=2), 4, r"needs parallel\.pp_schedule=interleaved_1f1b"),
+    (dict(pp_stages_per_rank=2, pp=2), 4, r"needs a multi-stage schedule, parallel\.pp_schedule=interleaved_1f1b"),
     (dict(pp_stages_per_rank=2), 4, r"needs parallel\.pp > 1"),
 ])
 def test_bad_plans_name_the_field(kwargs, world, pattern):
@@ -195,3 +195,29 @@ def test_expert_tensor_parallel_folds_over_the_stage_pool():
     assert groups["etp"][:2] == [[0, 1], [2, 3]]   # innermost: neighbouring ranks
     assert groups["ep"][:2] == [[0, 2], [1, 3]]
     assert groups["edp"][:2] == [[0, 4], [1, 5]]
+
+
+@pytest.mark.parametrize("kwargs,world,model_kw,batch,pattern", [
+    (dict(pp=2, pp_schedule="zbv", microbatches=2), 2, {"tie_embeddings": True}, None,
+     r"pp_schedule=zbv with model\.tie_embeddings=true.*tie_embeddings=false or use pp_schedule=zb_interleaved"),
+    (dict(pp=2, pp_schedule="dualpipev", microbatches=2), 2, {}, 8,
+     r"microbatches=2: pp_schedule dualpipev needs at least one microbatch per stage \(4"),
+    (dict(pp=2, pp_schedule="zb_interleaved", microbatches=5), 2, {}, 40,
+     r"zb_interleaved runs rounds of parallel\.pp=2 microbatches \(2 here\).*multiple of 2"),
+    (dict(dp=2, pp=2, zero=3, pp_schedule="zbv", microbatches=2), 4, {}, 8,
+     r"pp_schedule=zbv with parallel\.zero=3.*zero=1 or 2"),
+    (dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=3), 2, {}, None,
+     r"zbv places exactly 2 stages per rank"),
+])
+def test_zero_bubble_refusals_name_the_field(kwargs, world, model_kw, batch, pattern):
+    model = ModelConfig(**{**MODEL.__dict__, "n_layers": 12, "tie_embeddings": False, **model_kw})
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world, model, MOE, batch)
+
+
+def test_zero_bubble_schedules_place_their_stages():
+    from parallel.pipeline import _stage_ids
+    v = ParallelPlan(pp=4, pp_schedule="dualpipev", microbatches=8).validate(4)
+    assert v.stages_per_rank == 2 and [_stage_ids(v, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    looped = ParallelPlan(pp=4, pp_schedule="zb_interleaved").validate(4)
+    assert [_stage_ids(looped, r) for r in range(2)] == [[0, 4], [1, 5]]

@@ -57,6 +57,10 @@ def test_bubble_and_in_flight():
     assert in_flight("gpipe", 4, 8, stage=0) == 8
     assert [in_flight("1f1b", 4, 8, stage=s) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight("1f1b", 4, 2, stage=0) == 2
+    # zero bubble at T_F = T_B = T_W: a third of the interleaved fill/drain, none for the V
+    assert bubble_fraction("zb_interleaved", 4, 8, chunks=2) == 3 / 51
+    assert bubble_fraction("zbv", 4, 8, chunks=2) == bubble_fraction("dualpipev", 4, 8, chunks=2) == 0.0
+    assert in_flight("zbv", 4, 8, stage=0, chunks=2) == in_flight("dualpipev", 4, 2, stage=3, chunks=2) + 4 == 8
 
 
 def test_planner_library_does_not_import_trainer():
