@@ -41,35 +41,30 @@ def apply_expert_parallel(model, ep_group) -> list:
     device); each rank keeps its slice. All layers are checked before any is changed.
     Returns [(name, layer)]. Their all-to-all bytes are counted by parallel/ledger.py.
     """
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError("expert parallelism: the model has no MoELayer; use parallel.ep=1 for "
-                         "a dense model")
-    for name, layer in layers:
-        try:
-            check_shardable(layer, ep_group)
-        except ValueError as e:
-            raise ValueError(f"{name or 'the layer'}: {e}") from None
-    for _, layer in layers:
-        shard_layer_experts(layer, ep_group)
-    return layers
+    return _every_layer(model, ep_group, check_shardable, shard_layer_experts,
+                        "expert parallelism", "ep")
 
 
 def apply_expert_tensor_parallel(model, etp_group) -> list:
     """Split every MoELayer's experts' d_ff over `etp_group` (in place; moe/expert_tp.py):
     rank j keeps block j of w1/w3 columns and w2 rows. All layers are checked before any is
     changed. Returns [(name, layer)]."""
+    return _every_layer(model, etp_group, check_ffn_shardable, split_layer_ffn,
+                        "expert tensor parallelism", "etp")
+
+
+def _every_layer(model, group, check, change, what: str, field: str) -> list:
+    """check(layer, group) every MoELayer (errors name the layer), then change(layer, group)."""
     layers = moe_layers(model)
     if not layers:
-        raise ValueError("expert tensor parallelism: the model has no MoELayer; use parallel.etp=1 "
-                         "for a dense model")
+        raise ValueError(f"{what}: the model has no MoELayer; use parallel.{field}=1 for a dense model")
     for name, layer in layers:
         try:
-            check_ffn_shardable(layer, etp_group)
+            check(layer, group)
         except ValueError as e:
             raise ValueError(f"{name or 'the layer'}: {e}") from None
     for _, layer in layers:
-        split_layer_ffn(layer, etp_group)
+        change(layer, group)
     return layers
 
 
