@@ -3,6 +3,7 @@ representative rank per stage: tp/dp/ep peers hold the same amounts), bubble and
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..plan import V_SCHEDULES
 from .comm import step_comm
 from .flops import rank_flops
 from .memory import activations, model_state, peak_bytes
@@ -48,8 +49,9 @@ def stage_ranks(plan) -> list:
 
 
 class StateCache:
-    """read_rank_state results by what they depend on (not recompute, schedule order or
-    micro-batch count): parallelizing a meta model is the planner's slow part."""
+    """read_rank_state results by what they depend on (the stage placement, V or looped, but
+    not recompute, schedule order or micro-batch count): parallelizing a meta model is the
+    planner's slow part."""
 
     def __init__(self, build_model):
         self.build_model, self.states = build_model, {}
@@ -57,7 +59,9 @@ class StateCache:
     def get(self, plan, rank):
         zero = 1 if plan.zero in (0, 1, 2) else 3
         hpz = plan.zeropp_hpz  # splits FSDP2 units; offload and quantization are formulas
-        key = (plan.dp, plan.tp, plan.pp, plan.ep, plan.etp, zero, plan.stages_per_rank, hpz, rank)
+        v_shape = plan.pp_schedule in V_SCHEDULES  # which stages (blocks, ends) the rank holds
+        key = (plan.dp, plan.tp, plan.pp, plan.ep, plan.etp, zero, plan.stages_per_rank, v_shape,
+               hpz, rank)
         if key not in self.states:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
                                        offload="none", zeropp_quantize_weights=False,

@@ -72,3 +72,25 @@ def test_planner_library_does_not_import_trainer():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] in ("trainer", "train") for n in names), path
+
+
+def test_state_cache_keeps_v_and_looped_placements_apart():
+    """zbv and interleaved_1f1b both run 2 stages per rank but on different blocks: a state
+    cached for one must not serve the other (it once did: stage peaks swapped)."""
+    from trainer.config import load_config
+    from parallel.planner import Hardware, StateCache, predict
+    from parallel.planner.__main__ import workload_from_config
+    from parallel.planner.flops import model_costs
+    base = ["model.tie_embeddings=false", "parallel.pp=2", "parallel.microbatches=4"]
+
+    def peaks(schedule, cache):
+        cfg = load_config(None, base + [f"parallel.pp_schedule={schedule}"])
+        w = workload_from_config(cfg)
+        pred = predict(w, w.validate(cfg.parallel, 2), Hardware(), model_costs(w.build_model(), w), cache)
+        return [st.memory["peak"] for st in pred.stages]
+
+    w = workload_from_config(load_config(None, base))
+    alone = peaks("zbv", StateCache(w.build_model))
+    shared = StateCache(w.build_model)
+    peaks("interleaved_1f1b", shared)
+    assert peaks("zbv", shared) == alone
