@@ -2,9 +2,10 @@
 
     python bench/pipeline_bubble.py [--pp 2] [--mbs 2 4 8] [--steps 5] [--d-model 256] [--schedules ...]
 
-Each schedule (gpipe, 1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev) runs a dense GPT (8 layers, MoE off) split
-over --pp processes (gloo, one thread each) for --steps timed optimizer steps after 2 warm-up
-ones, at each micro-batch count. Idle fraction of a stage = 1 - (its process CPU time /
+Each schedule (gpipe, 1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev) runs a dense
+GPT (8 layers, MoE off) split over --pp processes (gloo, one thread each) for --steps timed
+optimizer steps after 2 warm-up ones, at each micro-batch count (rows validate refuses, e.g.
+fewer micro-batches than the schedule needs, are skipped). Idle fraction of a stage = 1 - (its process CPU time /
 wall time) over the timed steps: with one thread per process and gloo's blocking waits, a
 rank burns CPU only while it computes (or copies a message), so the rest is time spent
 waiting for the neighbour stage (the bubble, plus message latency). Needs the cores to
@@ -27,13 +28,11 @@ from models import build_model, init_weights  # noqa: E402
 from models.config import ModelConfig, MoEConfig  # noqa: E402
 from parallel.apply import parallelize  # noqa: E402
 from parallel.mesh import build_meshes  # noqa: E402
-from parallel.plan import ParallelPlan  # noqa: E402
+from parallel.plan import PP_SCHEDULES, ParallelPlan  # noqa: E402
 from parallel.planner.schedule import bubble_fraction  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 S, V = 128, 256
-from parallel.plan import PP_SCHEDULES  # noqa: E402
-
 SCHEDULES = PP_SCHEDULES
 
 
@@ -73,11 +72,13 @@ def main():
           + f"{'mean':>8}")
     for schedule in args.schedules:
         for m in args.mbs:
-            if (m < args.pp and schedule != "gpipe") or (schedule == "dualpipev" and m < 2 * args.pp):
+            try:  # too few micro-batches for the schedule: validate says so, skip the row
+                plan = ParallelPlan(pp=args.pp, pp_schedule=schedule, microbatches=m).validate(
+                    args.pp, batch_size=2 * m)
+            except ValueError:
                 continue
             idle = run_distributed(_run, args.pp, schedule, m, args.steps, args.d_model, timeout=900)
-            chunks = 1 if schedule in ("gpipe", "1f1b") else 2
-            pred = bubble_fraction(schedule, args.pp, m, chunks)
+            pred = bubble_fraction(schedule, args.pp, m, plan.stages_per_rank)
             print(f"{schedule:<18}{m:>4}{pred:>11.2f}" + "".join(f"{v:>10.2f}" for v in idle)
                   + f"{sum(idle) / len(idle):>8.2f}")
 

@@ -10,7 +10,8 @@ start from identical weights.
 
 DTensor parameters (FSDP2 / tensor parallel) are handled one module at a time: the module's
 full (for experts: EP-local, with their whole d_ff) parameters are drawn into temporary
-tensors and each rank keeps its own shard (its d_ff block under expert tensor parallelism). Peak extra memory is the largest single module (typically one expert bank).
+tensors and each rank keeps its own shard (its d_ff block under expert tensor parallelism).
+Peak extra memory is the largest single module (typically one expert bank).
 """
 import hashlib
 

@@ -1,9 +1,10 @@
 """Global gradient norm and clipping that count every parameter element once, whatever the layout.
 
 A rank's gradient tensor for a parameter may be a full copy (dp replicas), a tp piece, an
-expert-parallel piece (of an expert's d_ff too, under etp), a ZeRO-2 slice or an FSDP2 shard. Within one pipeline stage the
-dp*tp ranks hold `replicas = dp*tp / pieces` copies of each element, so the world-wide sum
-of (local squared norm / replicas) is the squared norm of the whole model's gradient. A
+expert-parallel piece (of an expert's d_ff too, under etp), a ZeRO-2 slice or an FSDP2 shard.
+Within one pipeline stage the dp*tp ranks hold `replicas = dp*tp / pieces` copies of each
+element, so the world-wide sum of (local squared norm / replicas) is the squared norm of the
+whole model's gradient. A
 weight held by two pipeline stages (tied embeddings) is counted on the first one only.
 """
 import torch

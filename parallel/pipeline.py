@@ -28,7 +28,7 @@ from moe import MoELayer
 from moe.aux import inject_aux_loss
 
 from .dtensors import local
-from .plan import LOOPED_SCHEDULES, V_SCHEDULES
+from .plan import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -119,7 +119,7 @@ class PipelineRunner:
         stages = [pipelining.PipelineStage(c, s, self.plan.num_stages, device, group=group)
                   for c, s in zip(self.chunks, self.stage_ids)]
         cls = getattr(pipelining, SCHEDULES[self.plan.pp_schedule])
-        arg = stages if self.plan.pp_schedule in LOOPED_SCHEDULES + V_SCHEDULES else stages[0]
+        arg = stages if self.plan.pp_schedule in MULTI_STAGE_SCHEDULES else stages[0]
         return cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
 
     def step(self, x_BS, y_BS):
@@ -173,7 +173,6 @@ class PipelineRunner:
         dist.all_reduce(task, group=self.meshes.group("pp"))
         return task[0]
 
-
     def _v_forward(self, x_BS, y_BS) -> list:
         """Forward-only losses of a V placement (zbv, dualpipev), microbatch by microbatch.
 
@@ -183,24 +182,25 @@ class PipelineRunner:
         or 2pp-1-k, each activation goes to the next stage's rank by send/recv (a small
         header first: its shape and dtype), and rank 0, holding both ends, computes the loss.
         """
-        p, me, n = self.plan.pp, self.meshes.rank("pp"), self.plan.num_stages
+        plan, me, n = self.plan, self.meshes.rank("pp"), self.plan.num_stages
         group = self.meshes.group("pp")
-        owner = [k if k < p else n - 1 - k for k in range(n)]
+        owner = {k: r for r in range(plan.pp) for k in _stage_ids(plan, r)}  # stage -> pp rank
         chunk_of = dict(zip(self.stage_ids, self.chunks))
         device = local(next(self.model.parameters())).device
+        xs, ys = x_BS.chunk(plan.microbatches), y_BS.chunk(plan.microbatches)
         losses = []
-        for i in range(self.plan.microbatches):
-            h = None
+        for x, y in zip(xs, ys):
+            h = x
             for k in range(n):
                 if owner[k] != me:
                     continue
                 if k > 0 and owner[k - 1] != me:
                     h = _recv_activation(dist.get_global_rank(group, owner[k - 1]), device, group)
-                h = chunk_of[k](x_BS.chunk(self.plan.microbatches)[i] if k == 0 else h)
+                h = chunk_of[k](h)
                 if k < n - 1 and owner[k + 1] != me:
                     _send_activation(h, dist.get_global_rank(group, owner[k + 1]), group)
             if n - 1 in self.stage_ids:
-                losses.append(self.loss_fn(h, y_BS.chunk(self.plan.microbatches)[i]))
+                losses.append(self.loss_fn(h, y))
         return losses
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_interleaved", "zbv", "dualpipev")
 LOOPED_SCHEDULES = ("interleaved_1f1b", "zb_interleaved")  # stages r, r+pp, ... on rank r
 V_SCHEDULES = ("zbv", "dualpipev")                          # stages r and 2pp-1-r on rank r
+MULTI_STAGE_SCHEDULES = LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE = ("zb_interleaved", "zbv", "dualpipev")       # backward split: input, then weight
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
@@ -78,8 +79,7 @@ class ParallelPlan:
     def stages_per_rank(self) -> int:
         if self.pp_stages_per_rank > 0:
             return self.pp_stages_per_rank
-        multi = self.pp_schedule in LOOPED_SCHEDULES + V_SCHEDULES
-        return 2 if multi and self.pp > 1 else 1
+        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES and self.pp > 1 else 1
 
     @property
     def num_stages(self) -> int:
@@ -151,7 +151,7 @@ def _check_degrees(p: ParallelPlan) -> None:
     if p.pp_schedule in V_SCHEDULES and p.pp_stages_per_rank not in (0, 2):
         raise _err(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank (a V: "
                    f"stages r and 2*pp-1-r); set parallel.pp_stages_per_rank=0 or 2")
-    if p.pp_schedule not in LOOPED_SCHEDULES + V_SCHEDULES and p.pp_stages_per_rank > 1:
+    if p.pp_schedule not in MULTI_STAGE_SCHEDULES and p.pp_stages_per_rank > 1:
         raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs a multi-stage schedule, "
                    f"parallel.pp_schedule=interleaved_1f1b or zb_interleaved (gpipe/1f1b run one "
                    f"stage per rank)")

@@ -1,16 +1,16 @@
 """Every layout of a world size that ParallelPlan.validate (or the caller's check) accepts.
 
 The candidate degrees are all factorizations world = dp * tp * pp, every ep dividing dp*tp
-and every etp dividing dp*tp/ep (expert tensor parallelism), ZeRO 0-3, recompute none/full and, with pp > 1, each schedule with micro-batch counts
-pp, 2pp, 4pp and 8pp; and the ZeRO family: offload none/optimizer/params, ZeRO++ off/on
-(on = qwZ + qgZ under ZeRO-3, qgZ under ZeRO-2) and, under ZeRO-3, hpZ off or with the dp
-ranks of one node (gpus_per_node / tp). validate decides which of them are layouts (it
-alone knows the rules). Precision and compile come from the base plan unchanged.
+and every etp dividing dp*tp/ep (expert tensor parallelism), ZeRO 0-3, recompute none/full
+and, with pp > 1, each schedule with micro-batch counts pp, 2pp, 4pp and 8pp; and the ZeRO
+family: offload none/optimizer/params, ZeRO++ off/on (on = qwZ + qgZ under ZeRO-3, qgZ under
+ZeRO-2) and, under ZeRO-3, hpZ off or with the dp ranks of one node (gpus_per_node / tp).
+validate decides which of them are layouts (it alone knows the rules). Precision and compile
+come from the base plan unchanged.
 """
 import dataclasses
 
 from ..plan import PP_SCHEDULES
-
 
 
 def rejection(e: Exception) -> str:

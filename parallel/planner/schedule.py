@@ -19,15 +19,15 @@ Activations alive at the peak (in units of one micro-batch through one chunk):
       count + 1)
   zbv, dualpipev: min(2m, 2p) (p micro-batches of both chunks: 1F1B's peak, Qi et al. 2024)
 """
-ZERO_BUBBLE_V = ("zbv", "dualpipev")
+from ..plan import LOOPED_SCHEDULES, V_SCHEDULES
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     if pp <= 1:
         return 0.0
-    if schedule in ZERO_BUBBLE_V:
+    if schedule in V_SCHEDULES:
         return 0.0
-    v = chunks if schedule in ("interleaved_1f1b", "zb_interleaved") else 1
+    v = chunks if schedule in LOOPED_SCHEDULES else 1
     if schedule == "zb_interleaved":
         return (pp - 1) / (3 * v * microbatches + pp - 1)
     return (pp - 1) / (v * microbatches + pp - 1)
@@ -42,6 +42,6 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int
         return m * chunks
     if schedule == "1f1b":
         return min(m, pp - stage)
-    if schedule in ZERO_BUBBLE_V:
+    if schedule in V_SCHEDULES:
         return min(2 * m, 2 * pp)
     return min(m * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)

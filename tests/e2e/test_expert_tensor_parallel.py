@@ -4,11 +4,9 @@ that holds whole experts (it resumes under etp=1), and the start-up line that sa
 Tolerances as tests/e2e/test_train.py: another layout differs only in reduction order,
 losses within 1e-4 relative.
 """
-import shutil
-
 import pytest
 
-from tests.e2e.test_train import TINY, close, losses, train
+from tests.e2e.test_train import TINY, close, losses, resume_after_step3, train
 
 pytestmark = pytest.mark.e2e
 
@@ -29,9 +27,4 @@ def test_etp2_trains_like_one_process_and_resumes_under_etp1(tmp_path):
         assert close(loss, ref[step], 1e-4), (step, loss, ref[step])
 
     # its step-3 checkpoint on one process (etp=1, zero 0): steps 4..6 as uninterrupted
-    shutil.rmtree(etp / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={etp}", "train.resume=true"], tmp_path)
-    got = losses(etp)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in (4, 5, 6):
-        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+    resume_after_step3(etp, common, tmp_path, ref, 1e-4)

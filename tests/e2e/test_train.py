@@ -50,6 +50,18 @@ def close(a, b, rel):
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
+def resume_after_step3(run_dir, args, tmp, ref, rel, nproc=1):
+    """Drop run_dir's step-6 checkpoint and resume it from step 3 with `args` on nproc
+    processes: steps 1..6 are each logged once (the records after the checkpoint replaced)
+    and steps 4..6 equal `ref` within `rel`."""
+    shutil.rmtree(Path(run_dir) / "checkpoints" / "step_00000006")
+    train(args + [f"run.dir={run_dir}", "train.resume=true"], tmp, nproc=nproc)
+    got = losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert close(got[step], ref[step], rel), (step, got[step], ref[step])
+
+
 @pytest.mark.long
 def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=6", "checkpoint.every=3"]
@@ -72,35 +84,21 @@ def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     # resume after step 3 in the same layout: steps 4..6 exactly as uninterrupted
     same = tmp_path / "same"
     shutil.copytree(one, same)
-    shutil.rmtree(same / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={same}", "train.resume=true"], tmp_path)
-    got = losses(same)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # records after the checkpoint were replaced
-    for step in (4, 5, 6):
-        assert close(got[step], ref[step], 1e-6), (step, got[step], ref[step])
+    resume_after_step3(same, common, tmp_path, ref, 1e-6)
 
     # checkpoint from 1 process resumed on 2 processes with experts split over them and the
     # optimizer state scattered into ZeRO-1 slices
     other = tmp_path / "other"
     shutil.copytree(same, other)
-    shutil.rmtree(other / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={other}", "train.resume=true", "parallel.dp=2", "parallel.ep=2",
-                    "parallel.zero=1"], tmp_path, nproc=2)
-    got = losses(other)
-    for step in (4, 5, 6):
-        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+    resume_after_step3(other, common + ["parallel.dp=2", "parallel.ep=2", "parallel.zero=1"],
+                       tmp_path, ref, 1e-4, nproc=2)
 
     # ZeRO-1 on 2 processes saves name-keyed optimizer state: it resumes on 1 process (zero 0)
     zero1 = tmp_path / "zero1"
     train(common + [f"run.dir={zero1}", "parallel.dp=2", "parallel.zero=1"], tmp_path, nproc=2)
     for step, loss in losses(zero1).items():
         assert close(loss, ref[step], 1e-4), (step, loss, ref[step])
-    shutil.rmtree(zero1 / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={zero1}", "train.resume=true"], tmp_path)
-    got = losses(zero1)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in (4, 5, 6):
-        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+    resume_after_step3(zero1, common, tmp_path, ref, 1e-4)
 
 
 def test_loss_decreases_on_bundled_corpus(tmp_path, cache):
