@@ -52,9 +52,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if plan.pp > 1:
         from .pipeline import split_pipeline
         par.pipeline = split_pipeline(model, plan, meshes, loss_fn)
-    if plan.tp > 1:
+    if plan.tp > 1 and plan.tp_mode == "1d":
         from .tensor import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)
+    elif plan.tp > 1:
+        from .tensor2d import apply_grid_tensor_parallel
+        apply_grid_tensor_parallel(model, meshes)
     if plan.ep > 1:
         from .expert import apply_expert_parallel
         apply_expert_parallel(model, meshes.group("ep"))

@@ -19,6 +19,11 @@ Kind, from the op and the process group it runs on (mesh.py dims):
   expert_tensor_parallel    all_to_all over etp (rows gathered for the d_ff slices, partial
                             outputs returned, count tables: moe/expert_tp.py)
   tensor_parallel           any collective over tp (incl. MoE sequence<->batch all_to_all)
+  tensor_parallel_row       tp_mode 2d/2.5d, over a grid column's ranks (tpr): weight
+                            gathers and weight-gradient reduce-scatters, norm-weight sums
+  tensor_parallel_col       tp_mode 2d/2.5d, over a grid row's ranks (tpc): activation
+                            gathers and reduce-scatters, norm statistics, MoE all_to_all
+  tensor_parallel_depth     tp_mode 2.5d, over the stacked grids (tpd): weight-gradient sums
   pipeline                  send/recv and reductions over pp
   tied_embedding            the tied weight's gradient sum over the first/last stage pair
   other                     everything else: the gradient-norm and overflow all_reduces,
@@ -33,7 +38,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = ("dp_grad_reduce", "zero_param_gather", "zero_grad_reduce_scatter", "expert_all_to_all",
-         "expert_tensor_parallel", "tensor_parallel", "pipeline", "tied_embedding", "other")
+         "expert_tensor_parallel", "tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
+         "tensor_parallel_depth", "pipeline", "tied_embedding", "other")
+GRID_KINDS = {"tpd": "tensor_parallel_depth", "tpr": "tensor_parallel_row", "tpc": "tensor_parallel_col"}
 DATA_DIMS = {"dp", "pool", "edp"}
 # op name -> (collective class, index of the argument holding this rank's input)
 _OPS = {"allreduce_": ("reduce", 0), "allreduce_coalesced_": ("reduce", 0), "all_reduce": ("reduce", 0),
@@ -76,6 +83,9 @@ def classify(collective: str, dims: set) -> str:
         return "tied_embedding"
     if collective in ("p2p", "recv") or "pp" in dims:
         return "pipeline"
+    for dim, kind in GRID_KINDS.items():  # a grid group may also be an ep/edp/pool group
+        if dim in dims:
+            return kind
     if collective == "a2a":
         if "etp" in dims:
             return "expert_tensor_parallel"
@@ -129,8 +139,9 @@ class CommLedger:
         size = 0 if collective == "recv" else _nbytes(args[arg])
         name, pg = _group_of(args)
         dims = self._dims(name, pg)
-        if functional and "tp" in dims:  # DTensor redistribution: tensor parallelism's
-            dims = {"tp"}                 # (a tp group may also be the pool/edp group)
+        if functional and dims & {"tp", *GRID_KINDS}:  # DTensor redistribution: tensor
+            dims = dims & {"tp", *GRID_KINDS}           # parallelism's (a tp group may also be
+                                                        # the pool/edp group)
         kind = self.label or classify(collective, dims)
         self.bytes[kind] += size
         if self._spans_nodes(name):
@@ -181,7 +192,10 @@ class _Tap(TorchDispatchMode):
 
 def mesh_groups(meshes, extra: dict = None) -> dict:
     """{dim: group} for CommLedger from a parallel.mesh.Meshes (plus e.g. {"tied": group})."""
-    groups = {dim: meshes.group(dim) for dim in ("pp", "dp", "tp", "edp", "ep", "etp", "pool")}
+    dims = ("pp", "dp", "tp", "edp", "ep", "etp", "pool")
+    if meshes.grid is not None:
+        dims += tuple(GRID_KINDS)
+    groups = {dim: meshes.group(dim) for dim in dims}
     return {**groups, **(extra or {})}
 
 

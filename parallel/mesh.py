@@ -6,8 +6,11 @@ P ranks = pp * dp * tp. Three views of the same ranks, each a DeviceMesh with na
                                      expert's d_ff, edp holds copies.
   pool   ("pp", "pool"):             the dp*tp ranks of one stage that see distinct tokens in
                                      MoE layers; router (and shared-expert) grads reduce over it.
+  grid   ("pp", "dp", "tpd", "tpr", "tpc")  only under tp_mode 2d/2.5d: the tp ranks as
+                                     tp_depth stacked q x q grids (parallel/tensor2d.py).
 Rank r sits at dense[r // (dp*tp), (r // tp) % dp, r % tp]; the pool index is r % (dp*tp) and
-the expert coordinates are (pool // (ep*etp), (pool // etp) % ep, pool % etp), so with
+the expert coordinates are (pool // (ep*etp), (pool // etp) % ep, pool % etp), the grid
+coordinates of tp rank t are (t // (q*q), (t // q) % q, t % q), so with
 etp == 1 and ep == tp the ep group is the tp group, and with etp == tp the etp group is.
 Every mesh creation is a collective: all ranks must call build_meshes with the same plan.
 `rank_groups(plan)` is the same layout as pure arithmetic (no process group needed).
@@ -32,13 +35,16 @@ class Meshes:
     dense: DeviceMesh
     expert: DeviceMesh
     pool: DeviceMesh
+    grid: DeviceMesh | None = None
 
     def group(self, name: str):
-        """Process group of this rank along one named dim: pp, dp, tp, edp, ep, etp or pool."""
-        for mesh in (self.dense, self.expert, self.pool):
-            if name in mesh.mesh_dim_names:
+        """Process group of this rank along one named dim: pp, dp, tp, edp, ep, etp, pool, and
+        under a 2d/2.5d tp_mode tpd, tpr, tpc."""
+        for mesh in (self.dense, self.expert, self.pool, self.grid):
+            if mesh is not None and name in mesh.mesh_dim_names:
                 return mesh.get_group(name)
-        raise KeyError(f"no mesh dim named {name!r}; use pp, dp, tp, edp, ep, etp or pool")
+        raise KeyError(f"no mesh dim named {name!r}; use pp, dp, tp, edp, ep, etp or pool "
+                       f"(tpd, tpr, tpc under parallel.tp_mode 2d/2.5d)")
 
     def size(self, name: str) -> int:
         return dist.get_world_size(self.group(name))
@@ -67,16 +73,30 @@ def build_meshes(plan: ParallelPlan, device_type: str | None = None) -> Meshes:
                         mesh_dim_names=("pp", "edp", "ep", "etp"))
     pool = DeviceMesh(device_type, ranks.reshape(plan.pp, plan.dp * plan.tp),
                       mesh_dim_names=("pp", "pool"))
-    return Meshes(plan, dense, expert, pool)
+    grid = None
+    if plan.tp_mode != "1d":
+        grid = DeviceMesh(device_type, ranks.reshape(*_grid_shape(plan)), mesh_dim_names=GRID_DIMS)
+    return Meshes(plan, dense, expert, pool, grid)
+
+
+GRID_DIMS = ("pp", "dp", "tpd", "tpr", "tpc")
+
+
+def _grid_shape(plan: ParallelPlan) -> tuple:
+    q = plan.tp_grid
+    return plan.pp, plan.dp, plan.tp_depth, q, q
 
 
 def rank_groups(plan: ParallelPlan) -> dict:
-    """{dim: [rank list of every group along it]} for pp, dp, tp, edp, ep, etp and pool, computed
+    """{dim: [rank list of every group along it]} for pp, dp, tp, edp, ep, etp and pool (and
+    tpd, tpr, tpc under a 2d/2.5d tp_mode), computed
     without communication: exactly the groups build_meshes creates for this plan."""
     ranks = torch.arange(plan.world)
     views = {("pp", "dp", "tp"): ranks.reshape(plan.pp, plan.dp, plan.tp),
              ("pp", "edp", "ep", "etp"): ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp),
              ("pp", "pool"): ranks.reshape(plan.pp, plan.dp * plan.tp)}
+    if plan.tp_mode != "1d":
+        views[GRID_DIMS] = ranks.reshape(*_grid_shape(plan))
     out = {}
     for names, grid in views.items():
         for d, name in enumerate(names):

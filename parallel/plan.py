@@ -21,6 +21,7 @@ LOOPED_SCHEDULES = ("interleaved_1f1b", "zb_interleaved")  # stages r, r+pp, ...
 V_SCHEDULES = ("zbv", "dualpipev")                          # stages r and 2pp-1-r on rank r
 MULTI_STAGE_SCHEDULES = LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE = ("zb_interleaved", "zbv", "dualpipev")       # backward split: input, then weight
+TP_MODES = ("1d", "2d", "2.5d")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
 OFFLOADS = ("none", "optimizer", "params")
@@ -37,6 +38,8 @@ _SHOWN_IF_SET = ("recompute", "compile", "offload", "zeropp_quantize_weights", "
 class ParallelPlan:
     dp: int = field(default=-1, metadata={"help": "data-parallel degree; -1 = all ranks left after tp*pp"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree (attention heads, dense MLP, vocab split)"})
+    tp_mode: str = field(default="1d", metadata={"help": "tensor-parallel form: 1d (Megatron column/row + sequence parallel) | 2d (Optimus: tp = q*q grid, SUMMA matmuls) | 2.5d (Tesseract: tp = q*q*tp_depth, tp_depth stacked q x q grids)"})
+    tp_depth: int = field(default=1, metadata={"help": "2.5d only: number of stacked q x q grids (the batch is split over them, weights replicated)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (number of ranks in the pipeline)"})
     ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*tp and moe.num_experts"})
     etp: int = field(default=1, metadata={"help": "expert tensor parallelism: each routed expert's d_ff split over etp ranks (ep*etp must divide dp*tp)"})
@@ -57,6 +60,8 @@ class ParallelPlan:
         is not at its default, so a user can confirm offload / ZeRO++ / schedule are on."""
         s = (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} zero={self.zero} "
              f"precision={self.precision}")
+        if self.tp_mode != "1d":
+            s += f" tp_mode={self.tp_mode}" + (f" tp_depth={self.tp_depth}" if self.tp_mode == "2.5d" else "")
         if self.etp > 1:
             s += f" etp={self.etp}"
         if self.pp > 1:
@@ -74,6 +79,13 @@ class ParallelPlan:
     def edp(self) -> int:
         """Ranks holding the same expert slices (expert-data-parallel degree)."""
         return self.dp * self.tp // (self.ep * self.etp)
+
+    @property
+    def tp_grid(self) -> int:
+        """q, the side of the 2-D tensor-parallel grid (tp = q*q*tp_depth); 0 under 1d."""
+        if self.tp_mode == "1d":
+            return 0
+        return round((self.tp // self.tp_depth) ** 0.5)
 
     @property
     def stages_per_rank(self) -> int:
@@ -100,6 +112,7 @@ class ParallelPlan:
         plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size),
                                    microbatches=self.microbatches or (self.pp if self.pp > 1 else 1))
         _check_ep(plan)
+        _check_tp_mode(plan)
         _check_zero_family(plan)
         if _has_moe(moe_cfg):
             _check_replicas(plan, moe_cfg)
@@ -107,7 +120,7 @@ class ParallelPlan:
             _check_model(plan, model_cfg, moe_cfg)
         if batch_size is not None:
             _check_batch(plan, batch_size, _has_moe(moe_cfg))
-        if seq_len is not None:
+        if seq_len is not None and plan.tp_mode == "1d":
             check_seq_len(seq_len, plan.tp, "data.seq_len")
         return plan
 
@@ -119,6 +132,7 @@ def _err(msg: str) -> ValueError:
 def _check_choices(p: ParallelPlan) -> None:
     for name, value, choices in (("pp_schedule", p.pp_schedule, PP_SCHEDULES),
                                  ("precision", p.precision, PRECISIONS),
+                                 ("tp_mode", p.tp_mode, TP_MODES),
                                  ("recompute", p.recompute, RECOMPUTE)):
         if value not in choices:
             raise _err(f"parallel.{name}={value!r} is not supported; use one of {', '.join(choices)}")
@@ -206,6 +220,31 @@ def _check_ep(p: ParallelPlan) -> None:
                    f"lower etp or raise dp")
 
 
+def _check_tp_mode(p: ParallelPlan) -> None:
+    """2d: tp = q*q; 2.5d: tp = q*q*tp_depth (parallel/tensor2d.py), with the combinations
+    the grid layout does not serve refused."""
+    d = p.tp_depth
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise _err(f"parallel.tp_depth={d!r} must be an integer >= 1")
+    if p.tp_mode != "2.5d" and d != 1:
+        raise _err(f"parallel.tp_depth={d} stacks 2-D grids and needs parallel.tp_mode='2.5d' "
+                   f"(got {p.tp_mode!r}); set tp_mode='2.5d' or tp_depth=1")
+    if p.tp_mode == "1d":
+        return
+    q = round((p.tp // d) ** 0.5) if p.tp % d == 0 else 0
+    if q < 2 or q * q * d != p.tp:
+        shape = "q*q" if p.tp_mode == "2d" else f"q*q*tp_depth (tp_depth={d})"
+        raise _err(f"parallel.tp={p.tp} with tp_mode={p.tp_mode!r} must be {shape} for a grid side "
+                   f"q >= 2; use tp={4 * d} (q=2) or tp={9 * d} (q=3), or tp_mode='1d'")
+    if p.zero == 3:
+        raise _err(f"parallel.tp_mode={p.tp_mode} with parallel.zero=3: FSDP2 shards over one "
+                   f"tensor-parallel mesh dim and the grid's weights are split over two; use "
+                   f"parallel.zero=1 or 2 (or tp_mode='1d')")
+    if p.compile:
+        raise _err(f"parallel.tp_mode={p.tp_mode} with parallel.compile=true is not supported (the "
+                   f"grid modules' collectives are not traced); set compile=false")
+
+
 def _check_zero_family(p: ParallelPlan) -> None:
     """offload and the ZeRO++ flags: each names the stage it needs."""
     if p.offload not in OFFLOADS:
@@ -271,12 +310,14 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
     if arch != "gpt" and (p.tp > 1 or p.pp > 1):
         raise _err(f"parallel.tp/pp > 1 is implemented for model.arch='gpt' only (got {arch!r}); "
                    f"use data/expert parallelism and ZeRO for it (tp=1, pp=1)")
-    if p.tp > 1:
+    if p.tp > 1 and p.tp_mode == "1d":
         for name in ("n_heads", "d_ff", "vocab_size"):
             v = getattr(m, name, None)
             if v is not None and v % p.tp:
                 raise _err(f"model.{name}={v} is not divisible by parallel.tp={p.tp}; pick a tp that "
                            f"divides it (or change model.{name})")
+    if p.tp_mode != "1d":
+        _check_grid_model(p, m)
     if p.pp > 1 and p.pp_schedule in V_SCHEDULES and getattr(m, "tie_embeddings", False):
         raise _err(f"parallel.pp_schedule={p.pp_schedule} with model.tie_embeddings=true: the V puts "
                    f"both ends of the pipeline on rank 0, where torch 2.13's zero-bubble weight pass "
@@ -294,6 +335,20 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
     if p.etp > 1:
         _check_etp_model(p, m, moe_cfg)
+
+
+def _check_grid_model(p: ParallelPlan, m) -> None:
+    """The q x q grid splits heads, d_model, d_ff and the vocab q ways each."""
+    q = p.tp_grid
+    sizes = [("n_heads", getattr(m, "n_heads", None)), ("d_model", getattr(m, "d_model", None)),
+             ("d_ff", getattr(m, "d_ff", None)), ("vocab_size", getattr(m, "vocab_size", None))]
+    for name, v in sizes:
+        if v is not None and v % q:
+            raise _err(f"model.{name}={v} is not divisible by the grid side q={q} (parallel.tp={p.tp}, "
+                       f"tp_mode={p.tp_mode}); change model.{name} or parallel.tp")
+    if getattr(m, "bias", False):
+        raise _err(f"parallel.tp_mode={p.tp_mode} with model.bias=true is not implemented (the grid "
+                   f"modules hold no biases); set model.bias=false or tp_mode='1d'")
 
 
 def _check_etp_model(p: ParallelPlan, m, moe_cfg) -> None:
@@ -333,6 +388,11 @@ def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool) -> None:
         raise _err(f"parallel.microbatches={mb}: pp_schedule zb_interleaved runs rounds of "
                    f"parallel.pp={p.pp} microbatches ({rounds} here) and needs a multiple of them; "
                    f"use a multiple of {p.pp}")
+    rows = p.tp_depth * p.tp_grid
+    if p.tp_mode != "1d" and (local // mb) % rows:
+        raise _err(f"microbatch size {local // mb} sequences is not divisible by {rows} (parallel."
+                   f"tp_mode={p.tp_mode} splits the batch over tp_depth x q = {p.tp_depth} x "
+                   f"{p.tp_grid} grid rows); raise train.batch_size or lower parallel.microbatches")
     if p.tp > 1 and has_moe and (local // mb) % p.tp:
         raise _err(f"microbatch size {local // mb} sequences is not divisible by parallel.tp={p.tp}: "
                    f"MoE layers split whole sequences across tp ranks so each token is routed once; "

@@ -25,49 +25,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from moe import DenseFFN, MoELayer
 
+from . import tp_comm
 from .dtensors import local
-
-
-class _SeqToBatch(torch.autograd.Function):
-    """[B, s, D] (sequence shard) -> [b, S, D] (batch shard) by one all-to-all; backward inverts."""
-
-    @staticmethod
-    def forward(ctx, x_BsD, group):
-        ctx.group = group
-        return _seq_to_batch(x_BsD, group)
-
-    @staticmethod
-    def backward(ctx, g_bSD):
-        return _batch_to_seq(g_bSD, ctx.group), None
-
-
-class _BatchToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_bSD, group):
-        ctx.group = group
-        return _batch_to_seq(x_bSD, group)
-
-    @staticmethod
-    def backward(ctx, g_BsD):
-        return _seq_to_batch(g_BsD, ctx.group), None
-
-
-def _seq_to_batch(x_BsD, group):
-    P = dist.get_world_size(group)
-    B, s, D = x_BsD.shape
-    send = x_BsD.reshape(P, B // P, s, D).contiguous()      # chunk j goes to rank j
-    recv = torch.empty_like(send)                            # chunk i: my sequences, S-part i
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 0, 2, 3).reshape(B // P, P * s, D)
-
-
-def _batch_to_seq(x_bSD, group):
-    P = dist.get_world_size(group)
-    b, S, D = x_bSD.shape
-    send = x_bSD.reshape(b, P, S // P, D).permute(1, 0, 2, 3).contiguous()  # S-part j -> rank j
-    recv = torch.empty_like(send)                                            # batch part i
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.reshape(P * b, S // P, D)
 
 
 class _SplitSeq(torch.autograd.Function):
@@ -94,13 +53,16 @@ def _tp_mean(x, group):
     return x / P + (total - x.detach()) / P
 
 
-def _moe_hooks(layer: MoELayer, group) -> None:
+def moe_layout_hooks(layer: MoELayer, swap_group, tp_group, split_dim: int, cat_dim: int) -> None:
+    """Give the MoE layer whole sequences: its input's dim `split_dim` (the batch) is split over
+    swap_group and dim `cat_dim` (1d: the sequence; 2d: the hidden dim) gathered, by one
+    all-to-all; the output goes back the same way; the aux loss becomes the tp-mean."""
     def pre(_mod, args):
-        return (_SeqToBatch.apply(local(args[0]), group),) + tuple(args[1:])
+        return (tp_comm.swap(local(args[0]), swap_group, split_dim, cat_dim),) + tuple(args[1:])
 
     def post(mod, _args, out):
-        mod.aux_loss = _tp_mean(mod.aux_loss, group)
-        return _BatchToSeq.apply(out, group)
+        mod.aux_loss = _tp_mean(mod.aux_loss, tp_group)
+        return tp_comm.swap(out, swap_group, cat_dim, split_dim)
 
     # prepend: hooks added earlier (pipeline aux injection/recording) must see the tp-mean
     # aux loss and the sequence-sharded output
@@ -188,7 +150,7 @@ def _shard_block(block, mesh, group) -> None:
         "ffn_norm": SequenceParallel(),
     })
     if isinstance(block.ffn, MoELayer):
-        _moe_hooks(block.ffn, group)
+        moe_layout_hooks(block.ffn, group, group, split_dim=0, cat_dim=1)
     elif isinstance(block.ffn, DenseFFN):
         _shard_dense_ffn(block.ffn, mesh)
     else:

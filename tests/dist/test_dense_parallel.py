@@ -79,7 +79,10 @@ W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatche
       ("dp2_tp2_pp2_ep2_zero1_tied", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), TIED),
       # expert tensor parallelism composed: experts over ep x etp, their slices FSDP2-sharded
       # over edp = 8/(2*2) = 2, attention and the dense FFN over tp
-      ("dp4_tp2_ep2_etp2_zero3", dict(dp=4, tp=2, ep=2, etp=2, zero=3), TIED)]
+      ("dp4_tp2_ep2_etp2_zero3", dict(dp=4, tp=2, ep=2, etp=2, zero=3), TIED),
+      # 2-D tensor parallelism inside pipeline stages: a 2 x 2 grid per stage, experts over
+      # ep=2 of its 4 ranks, the tied embedding's grid blocks shared by the end stages
+      ("pp2_tp4_2d_ep2_tied", dict(pp=2, tp=4, tp_mode="2d", ep=2, microbatches=2), TIED)]
 
 
 def test_world2_data_zero_expert_tensor_pipeline():

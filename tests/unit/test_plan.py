@@ -221,3 +221,37 @@ def test_zero_bubble_schedules_place_their_stages():
     assert v.stages_per_rank == 2 and [_stage_ids(v, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     looped = ParallelPlan(pp=4, pp_schedule="zb_interleaved").validate(4)
     assert [_stage_ids(looped, r) for r in range(2)] == [[0, 4], [1, 5]]
+
+
+@pytest.mark.parametrize("kwargs,world,model_kw,batch,pattern", [
+    (dict(tp=2, tp_mode="2d"), 2, {}, None, r"parallel\.tp=2 with tp_mode='2d' must be q\*q.*tp=4"),
+    (dict(tp=8, tp_mode="2d"), 8, {}, None, r"parallel\.tp=8 with tp_mode='2d' must be q\*q"),
+    (dict(tp=8, tp_mode="2.5d", tp_depth=3), 8, {}, None, r"tp_depth=3\).*tp=12 \(q=2\)"),
+    (dict(tp=4, tp_depth=2), 4, {}, None, r"parallel\.tp_depth=2 stacks 2-D grids and needs parallel\.tp_mode='2\.5d'"),
+    (dict(tp=4, tp_mode="3d"), 4, {}, None, r"parallel\.tp_mode='3d' is not supported; use one of 1d, 2d, 2\.5d"),
+    (dict(tp=4, tp_mode="2d", zero=3, dp=1), 4, {}, None, r"tp_mode=2d with parallel\.zero=3.*zero=1 or 2"),
+    (dict(tp=4, tp_mode="2d", compile=True), 4, {}, None, r"tp_mode=2d with parallel\.compile=true"),
+    (dict(tp=9, tp_mode="2d"), 9, {}, None, r"model\.n_heads=8 is not divisible by the grid side q=3"),
+    (dict(tp=4, tp_mode="2d"), 4, {"bias": True}, None, r"tp_mode=2d with model\.bias=true.*model\.bias=false"),
+    (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8, {}, 6, r"microbatch size 6 sequences is not "
+     r"divisible by 4 \(parallel\.tp_mode=2\.5d splits the batch over tp_depth x q = 2 x 2 grid rows\)"),
+    (dict(tp=4, tp_mode="2d"), 4, {}, 2, r"microbatch size 2 .* by parallel\.tp=4: MoE layers split whole"),
+])
+def test_grid_tensor_parallel_refusals_name_the_field(kwargs, world, model_kw, batch, pattern):
+    model = ModelConfig(**{**MODEL.__dict__, **model_kw})
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world, model, MOE, batch)
+
+
+def test_grid_tensor_parallel_groups_and_summary():
+    """tp rank t of a 2.5d plan sits at (t // q^2, (t // q) % q, t % q) of (tpd, tpr, tpc)."""
+    from parallel.mesh import rank_groups
+    plan = ParallelPlan(tp=8, tp_mode="2.5d", tp_depth=2).validate(8, MODEL, MOE, 8)
+    assert plan.tp_grid == 2 and "tp_mode=2.5d tp_depth=2" in plan.summary()
+    groups = rank_groups(plan)
+    assert groups["tpc"][:2] == [[0, 1], [2, 3]]   # a grid row: splits the hidden dim
+    assert groups["tpr"][:2] == [[0, 2], [1, 3]]   # a grid column: splits the batch
+    assert groups["tpd"][:2] == [[0, 4], [1, 5]]   # the stacked grids
+    assert "tpc" not in rank_groups(ParallelPlan(tp=4).validate(4))
+    # the grid splits no sequence: a seq_len 1d's sequence parallelism refuses is fine here
+    ParallelPlan(tp=4, tp_mode="2d").validate(4, MODEL, MOE, 8, seq_len=30)
