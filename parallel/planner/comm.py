@@ -30,6 +30,21 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     final norm / head gather b (S/tp) D; logits gather b S (V/tp); the sequence split's
     backward gather b (S/tp) D; replicated norm weights' gradient all-reduce; recompute
     repeats the forward collectives of every block
+  tensor parallel 2d/2.5d (parallel/tensor2d.py), per micro-batch, T = b S / (d q) tokens of
+    this rank's grid row, r = 4 (the residual stream and norm outputs stay fp32), a the
+    matmul outputs' bytes, w = 4 (fp32 weights are gathered before any autocast cast):
+    column (tpc): each norm's statistic all-reduces, forward and backward, T x 4 each (one
+      for RMSNorm, two for LayerNorm); every gathered matmul input x [T, in/q] hands over
+      T in/q forward and reduce-scatters T in backward: attention's x (r, once for q/k/v),
+      its output (a), the dense FFN's x (r) and hidden (a, in = F), the head's x (r); an MoE
+      layer swaps T D/q (r) each way, forward and backward; the embedding reduce-scatters
+      T D x 4 forward and gathers T D/q x 4 backward; logits gather T V/q (a)
+    row (tpr): every weight [in, out] hands over in out / q^2 (w) forward and reduce-
+      scatters in out / q backward (q/k/v/o, w1 (w3) w2, the embedding and the head, a tied
+      matrix in both); logits gather T V (a)
+    depth (tpd, 2.5d): logits gather q T V (a); per step the gradients of the weights
+      replicated over depth all-reduced there, like the row's of the norm weights
+      (rank_state.grid_grad_sums); recompute repeats every block's forward collectives
   other: the gradient-norm all-reduce (4 bytes) and the step's agreement flags (16 bytes)
 """
 from collections import Counter
@@ -62,7 +77,10 @@ def step_comm(w, plan, state) -> tuple:
         events.append(("tied_embedding", "reduce", "pp", 2, tied))
     _pipeline(w, plan, state, book)
     _experts(w, plan, state, book)
-    _tensor(w, plan, state, book, out, events)
+    if plan.tp_mode == "1d":
+        _tensor(w, plan, state, book, out, events)
+    else:
+        _grid_tensor(w, plan, state, book)
     out["other"] += 20
     return {k: out[k] for k in KINDS if out[k]}, events
 
@@ -199,4 +217,58 @@ def _tensor(w, plan, state, book, out, events) -> None:
     events.append(("tensor_parallel", "reduce_scatter_pair", "tp", tp, dtensor))
     again = plan.recompute == "full"             # recomputation repeats the forward ones
     book("a2a", "tp", (4 + 2 * again) * part * moe_layers * m)   # sequence <-> batch
+    book("reduce", "tp", 4 * (1 + again) * moe_layers * m)        # the MoE aux loss' tp mean
+
+
+def _grid_tensor(w, plan, state, book) -> None:
+    """parallel/tensor2d.py's collectives (see the module docstring for the terms)."""
+    a, m, q, d = act_bytes(plan.precision), micro_count(w, plan), plan.tp_grid, plan.tp_depth
+    mc = w.model_cfg
+    T = micro_seqs(w, plan) * w.stream_tokens["decoder"] / (d * q)
+    D, F, V, r = mc.d_model, mc.d_ff, mc.vocab_size, 4
+    norm_ars = 2 if mc.norm == "layernorm" else 1
+    fwd, bwd = Counter(), Counter()          # (collective, dim) -> bytes of one micro-batch
+
+    def norm():
+        fwd["reduce", "tpc"] += norm_ars * T * 4
+        bwd["reduce", "tpc"] += norm_ars * T * 4
+
+    def gathered(width, nbytes):            # a matmul input [T, width/q] gathered over tpc
+        fwd["gather", "tpc"] += T * width / q * nbytes
+        bwd["scatter", "tpc"] += T * width * nbytes
+
+    def weight(d_in, d_out):                # a weight block gathered over tpr (fp32)
+        fwd["gather", "tpr"] += d_in * d_out / q ** 2 * 4
+        bwd["scatter", "tpr"] += d_in * d_out / q * 4
+
+    for i in w.blocks_on(state, plan):
+        norm(), norm()
+        gathered(D, r), gathered(D, a)      # q/k/v input, attention output
+        for _ in range(4):
+            weight(D, D)
+        if w.is_moe_block(i):               # [T, D/q] -> [T/q, D] and back
+            fwd["a2a", "tpc"] += 2 * T * D / q * r
+            bwd["a2a", "tpc"] += 2 * T * D / q * r
+        else:
+            gathered(D, r), gathered(F, a)
+            for _ in range(3 if w.gated else 2):
+                weight(D, F)
+    blocks = Counter(fwd) if plan.recompute == "full" else Counter()  # recompute repeats them
+    if state.first_stage:
+        weight(V, D)
+        fwd["scatter", "tpc"] += T * D * 4
+        bwd["gather", "tpc"] += T * D / q * 4
+    if state.last_stage:
+        norm()
+        gathered(D, r)
+        weight(V, D)
+        fwd["gather", "tpc"] += T * V / q * a
+        fwd["gather", "tpr"] += T * V * a
+        fwd["gather", "tpd"] += q * T * V * a
+    for (collective, dim), nbytes in (fwd + bwd + blocks).items():
+        book(collective, dim, nbytes * m)
+    for dim, nbytes in state.grid_grad_sums.items():
+        book("reduce", dim, nbytes)
+    moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))
+    again = plan.recompute == "full"
     book("reduce", "tp", 4 * (1 + again) * moe_layers * m)        # the MoE aux loss' tp mean

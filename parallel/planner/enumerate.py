@@ -1,6 +1,8 @@
 """Every layout of a world size that ParallelPlan.validate (or the caller's check) accepts.
 
-The candidate degrees are all factorizations world = dp * tp * pp, every ep dividing dp*tp
+The candidate degrees are all factorizations world = dp * tp * pp, each tp in every
+tensor-parallel form it can take (1d; 2d where tp = q*q; 2.5d for every depth d with
+tp = q*q*d), every ep dividing dp*tp
 and every etp dividing dp*tp/ep (expert tensor parallelism), ZeRO 0-3, recompute none/full
 and, with pp > 1, each schedule with micro-batch counts pp, 2pp, 4pp and 8pp; and the ZeRO
 family: offload none/optimizer/params, ZeRO++ off/on (on = qwZ + qgZ under ZeRO-3, qgZ under
@@ -9,6 +11,7 @@ validate decides which of them are layouts (it alone knows the rules). Precision
 come from the base plan unchanged.
 """
 import dataclasses
+import itertools
 
 from ..plan import PP_SCHEDULES
 
@@ -35,16 +38,28 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
             dp = world // (tp * pp)
             schedules = PP_SCHEDULES if pp > 1 else ("1f1b",)
             mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
-            for ep, etp in _expert_degrees(dp * tp):
+            for (tp_mode, depth), (ep, etp) in itertools.product(_tp_modes(tp), _expert_degrees(dp * tp)):
                 for zero in zeros:
                     for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
                         for rc in recomputes:
                             for sched in schedules:
                                 for mb in mbs:
                                     out.append(dataclasses.replace(
-                                        base, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, zero=zero,
+                                        base, dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth,
+                                        pp=pp, ep=ep, etp=etp, zero=zero,
                                         recompute=rc, pp_schedule=sched, microbatches=mb,
                                         pp_stages_per_rank=0, **family))
+    return out
+
+
+def _tp_modes(tp: int) -> list:
+    """(tp_mode, tp_depth): 1d always; 2d where tp = q*q; 2.5d for each depth d > 1 with
+    tp = q*q*d (q >= 2)."""
+    out = [("1d", 1)]
+    for d in _divisors(tp):
+        q = round((tp // d) ** 0.5)
+        if q >= 2 and q * q * d == tp:
+            out.append(("2d", 1) if d == 1 else ("2.5d", d))
     return out
 
 

@@ -39,14 +39,16 @@ def fake_world(rank: int, world: int):
 
 
 DIMS = ("pp", "dp", "tp", "edp", "ep", "etp", "pool")
+GRID_DIMS = ("tpd", "tpr", "tpc")
 
 
 def group_dims(meshes) -> dict:
     """{dim: (frozenset of the dims served by the same process group, group size)}: a group
     serving several dims (DeviceMesh hands out the default group for a dim spanning the
     whole world) counts as all of them, exactly as parallel/ledger.py's CommLedger sees it."""
-    names = {d: meshes.group(d).group_name for d in DIMS}
-    return {d: (frozenset(e for e in DIMS if names[e] == names[d]), meshes.size(d)) for d in DIMS}
+    dims = DIMS + (GRID_DIMS if meshes.grid is not None else ())
+    names = {d: meshes.group(d).group_name for d in dims}
+    return {d: (frozenset(e for e in dims if names[e] == names[d]), meshes.size(d)) for d in dims}
 
 
 @dataclass
@@ -78,6 +80,8 @@ class RankState:
     tied_bytes: int
     largest_param_bytes: int
     replicated_tp_bytes: int        # tp-replicated DTensor params (norms): grads all-reduced over tp
+    grid_grad_sums: dict            # tp_mode 2d/2.5d: {grid dim: local grad bytes all-reduced over
+                                    # it} (params replicated there: their Partial gradients)
     groups: dict                    # group_dims(meshes)
 
 
@@ -115,7 +119,7 @@ def _read(par, plan, rank) -> RankState:
                      slices, [int(n) for n in names], first, last, tied,
                      _nbytes(local(par.tied.param)) if tied else 0,
                      max((_nbytes(local(p)) for p in model.parameters()), default=0),
-                     _replicated_tp(model), groups)
+                     _replicated_tp(model), _grid_grad_sums(model), groups)
 
 
 def _replicated_tp(model) -> int:
@@ -126,6 +130,21 @@ def _replicated_tp(model) -> int:
                 all(isinstance(pl, Replicate) for pl in p.placements):
             total += _nbytes(local(p))
     return total
+
+
+def _grid_grad_sums(model) -> dict:
+    """parallel/tensor2d.py's gradients are Partial over the grid dims a parameter is
+    replicated on; the gradient sync all-reduces them there (one per dim of size > 1)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    out = {}
+    for p in model.parameters():
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        if not set(GRID_DIMS) <= set(names):
+            continue
+        for name, pl, n in zip(names, p.placements, p.device_mesh.shape):
+            if isinstance(pl, Replicate) and n > 1:
+                out[name] = out.get(name, 0) + _nbytes(local(p))
+    return out
 
 
 def _nbytes(t) -> int:

@@ -12,9 +12,10 @@
                (2 x stepped bytes); offload=params also copies every FSDP2 shard up for each
                gather (forward and backward, per micro-batch) and its gradient down. The host
                optimizer step itself is not modelled.
-  per stage  = (t_compute + t_tensor_parallel + t_expert_all_to_all
+  per stage  = (t_compute + t_tensor_parallel(_row, _col) + t_expert_all_to_all
                 + t_expert_tensor_parallel + t_pipeline)
-               / (1 - bubble) + t_gradient_sync (dp/ZeRO/FSDP, tied embedding, other) + t_host
+               / (1 - bubble) + t_gradient_sync (dp/ZeRO/FSDP, tied embedding, 2.5d's
+               depth sums, other) + t_host
   step time  = the slowest pipeline stage; throughput = global tokens / step time
 The micro-batch work is stretched by the pipeline bubble; the data-parallel reductions run
 once per step after it. Real systems overlap some communication: this is an upper bound on
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 
 from ..mesh import rank_groups
 
-INSIDE_STEP = {"tensor_parallel", "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
+INSIDE_STEP = {"tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
+               "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
 _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
          "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0}
 

@@ -47,6 +47,9 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     (4, {"dp": 4, "zero": 3, "zeropp_hpz": 2}),
     # expert tensor parallelism: each expert's d_ff over the 2 ranks (ZeRO-1 slices of it)
     (2, {"dp": 2, "etp": 2, "zero": 1}),
+    # 2-D tensor parallelism on a 2 x 2 grid, and 2.5-D: two stacked grids (ZeRO-1 slices)
+    (4, {"dp": 1, "tp": 4, "tp_mode": "2d"}),
+    (8, {"dp": 1, "tp": 8, "tp_mode": "2.5d", "tp_depth": 2, "zero": 1}),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
