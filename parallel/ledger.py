@@ -116,7 +116,7 @@ class CommLedger:
                 self.dims_of.setdefault(group.group_name, set()).add(dim)
                 self.ranks_of[group.group_name] = frozenset(dist.get_process_group_ranks(group))
         self.ranks_per_node = ranks_per_node
-        self.bytes, self.inter = Counter(), Counter()
+        self.bytes, self.inter, self.calls = Counter(), Counter(), Counter()
         self.label = None
 
     def _dims(self, name, pg) -> set:
@@ -144,6 +144,7 @@ class CommLedger:
                                                         # the pool/edp group)
         kind = self.label or classify(collective, dims)
         self.bytes[kind] += size
+        self.calls[kind, collective, len(self.ranks_of.get(name, ()))] += size
         if self._spans_nodes(name):
             self.inter[kind] += size
 
@@ -166,6 +167,13 @@ class CommLedger:
     def take(self) -> dict:
         out = {k: int(self.bytes[k]) for k in KINDS if self.bytes[k]}
         self.bytes.clear()
+        return out
+
+    def take_calls(self) -> dict:
+        """{(kind, collective class, group size): bytes} since the last call: what turns a
+        payload into wire bytes (planner/step_time.py's ring factors)."""
+        out = dict(self.calls)
+        self.calls.clear()
         return out
 
     @property

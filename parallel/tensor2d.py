@@ -10,14 +10,17 @@ Shapes: B batch of one dp rank, b = B/(d*q) sequences of one grid row, S sequenc
 dim, Dq = D/q, F ffn dim, Fq = F/q, V vocab, Vq = V/q.
 
 Activations between modules are [b, S, Dq] on rank (k, i, j): sequences of block k*q+i, hidden
-block j. Weights (nn.Linear's [out, in] layout, the banks' [1, in, out]) hold block (in i,
-out j) on every rank (*, i, j): DTensors placed (Replicate over tpd, Shard(in) over tpr,
-Shard(out) over tpc), so checkpoints hold the whole matrix and reshard to any layout.
-
-Y = X W is SUMMA in its all-gather form: X gathered over tpc (its hidden dim, [b, S, D]),
-W over tpr (its in dim, [out/q, in]); x @ w.T is rows (k, i) x out block j, the input's own
-layout. The backward is the adjoint: dX reduce-scattered over tpc, dW reduce-scattered over
-tpr (the q row blocks' partial products summed) and, under 2.5d, summed over tpd (a Partial
+block j. Weights (nn.Linear's [out, in] layout, the banks' [1, in, out]) are DTensors split
+over tpr and tpc and replicated over tpd, so checkpoints hold the whole matrix and reshard
+to any layout. Y = X W is SUMMA (the all-gather forms of its operand broadcasts), two ways:
+  gather form   (q/k/v, w1/w3, lm_head; W block (in i, out j) on rank (*, i, j)): X gathered
+                over tpc to [b, S, in], W over tpr to [out/q, in]; x @ w.T is rows (k, i) x
+                out block j, the input's own layout
+  scatter form  (o, w2: their input is already split over tpc, by heads / by d_ff; W block
+                (out i, in j)): W gathered over tpr to [out, in/q]; the q partial products
+                [b, S, out] reduce-scattered over tpc to out block j
+The backward is the adjoint: a gather's is a reduce-scatter and vice versa, so dW is the
+q row blocks' partial products summed over tpr and, under 2.5d, over tpd (a Partial
 gradient placement that the gradient sync settles, like 1d's sequence-parallel norms).
 
   tok_emb  [V, D] placed like lm_head (vocab over tpc, D over tpr), one matrix when tied:
@@ -27,8 +30,8 @@ gradient placement that the gradient sync settles, like 1d's sequence-parallel n
   pos_emb  [Smax, D], D over tpc
   norms    statistics over D: local sums all-reduced over tpc; weight split over tpc
   attention one gather of x over tpc feeds q, k and v (heads split over tpc, whole sequences
-           per rank: attention itself is local); o gathers the heads
-  dense FFN w1/w3 [1, D, F], w2 [1, F, D] as above; the hidden [b, S, Fq] gathered for w2
+           per rank: attention itself is local); o in the scatter form
+  dense FFN w1/w3 [1, D, F] gather form, w2 [1, F, D] scatter form on the hidden [b, S, Fq]
   MoE FFN  the layout changes here: [b, S, Dq] -> [b/q, S, D] by one all-to-all over tpc, so
            each tp rank holds B/tp whole sequences with the whole hidden dim, as under 1d
            (routing groups stay whole, every token is routed once, ep/etp apply as usual);
@@ -85,8 +88,9 @@ def _place(p: nn.Parameter, grid: Grid, placements) -> nn.Parameter:
                         requires_grad=p.requires_grad)
 
 
-def _matrix(in_dim: int, out_dim: int) -> list:
-    return [Replicate(), Shard(in_dim), Shard(out_dim)]
+def _matrix(row_dim: int, col_dim: int) -> list:
+    """Placements of a matrix split over the grid: dim row_dim over tpr, col_dim over tpc."""
+    return [Replicate(), Shard(row_dim), Shard(col_dim)]
 
 
 def _local(p):
@@ -110,6 +114,19 @@ class _GridLinear:
         if not self.gathered_input:
             x = gc.gather(x, self.grid.tpc, -1)
         return F.linear(x, _gathered_weight(self.weight, self.grid, 1))
+
+
+class _GridRowLinear:
+    """The reduce-scatter form, for a matmul whose input is already split over tpc (the
+    attention output by heads, the FFN hidden by d_ff): the weight is placed (out over tpr,
+    in over tpc); each rank multiplies its [b, S, in/q] by the gathered [out, in/q] block
+    and the q partial outputs are reduce-scattered over tpc to [b, S, out/q]. Moves T out
+    (forward) and T out/q (backward) instead of gathering T in: 4x less for the FFN's w2,
+    and the un-gathered input is what backward keeps."""
+
+    def forward(self, x):
+        return gc.reduce_scatter(F.linear(x, gc.gather(_local(self.weight), self.grid.tpr, 0)),
+                                 self.grid.tpc, -1)
 
 
 class _GridNorm:
@@ -160,8 +177,8 @@ class _GridFFN:
         x = gc.gather(x_bSD, g.tpc, -1)
         h1 = x @ _gathered_weight(bank.w1, g, 1)[0]
         h3 = x @ _gathered_weight(bank.w3, g, 1)[0] if bank.w3 is not None else None
-        a = gc.gather(bank.act(h1, h3), g.tpc, -1)
-        return a @ _gathered_weight(bank.w2, g, 1)[0]
+        a = bank.act(h1, h3)                                      # [b, S, Fq]: block j
+        return gc.reduce_scatter(a @ gc.gather(_local(bank.w2), g.tpr, 2)[0], g.tpc, -1)
 
 
 def _graft(module: nn.Module, mixin: type, grid: Grid, **attrs) -> None:
@@ -180,6 +197,13 @@ def _linear(lin: nn.Linear, grid: Grid, gathered_input: bool = False) -> None:
     _graft(lin, _GridLinear, grid, gathered_input=gathered_input)
 
 
+def _row_linear(lin: nn.Linear, grid: Grid) -> None:
+    if lin.bias is not None:
+        raise NotImplementedError("tp_mode 2d/2.5d with biased projections: set model.bias=false")
+    lin.weight = _place(lin.weight, grid, _matrix(0, 1))
+    _graft(lin, _GridRowLinear, grid)
+
+
 def _norm(norm: nn.Module, grid: Grid) -> None:
     for name in ("weight", "bias"):
         p = getattr(norm, name, None)
@@ -193,10 +217,10 @@ def _ffn(ffn: DenseFFN, grid: Grid) -> None:
     if ffn.gate is not None or bank.b1 is not None:
         raise NotImplementedError("tp_mode 2d/2.5d with a gated or biased dense FFN is not "
                                   "implemented; set model.bias=false")
-    for name in ("w1", "w2", "w3"):
+    for name, (row, col) in (("w1", (1, 2)), ("w3", (1, 2)), ("w2", (2, 1))):
         p = getattr(bank, name)
-        if p is not None:
-            setattr(bank, name, _place(p, grid, _matrix(1, 2)))
+        if p is not None:  # w2 in the reduce-scatter form: D over tpr, d_ff over tpc
+            setattr(bank, name, _place(p, grid, _matrix(row, col)))
     _graft(ffn, _GridFFN, grid)
 
 
@@ -262,7 +286,7 @@ def _shard_block(block, grid: Grid, tp_group) -> None:
     attn = block.attn
     for name in ("wq", "wk", "wv"):
         _linear(getattr(attn, name), grid, gathered_input=True)
-    _linear(attn.wo, grid)
+    _row_linear(attn.wo, grid)
     attn.register_forward_pre_hook(_gather_attention_input(grid))
     if isinstance(block.ffn, MoELayer):
         moe_layout_hooks(block.ffn, grid.tpc, tp_group, split_dim=0, cat_dim=2)

@@ -36,7 +36,8 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     column (tpc): each norm's statistic all-reduces, forward and backward, T x 4 each (one
       for RMSNorm, two for LayerNorm); every gathered matmul input x [T, in/q] hands over
       T in/q forward and reduce-scatters T in backward: attention's x (r, once for q/k/v),
-      its output (a), the dense FFN's x (r) and hidden (a, in = F), the head's x (r); an MoE
+      the dense FFN's x (r), the head's x (r); o and w2 reduce-scatter their partial
+      outputs T D (a) forward and gather T D/q backward; an MoE
       layer swaps T D/q (r) each way, forward and backward; the embedding reduce-scatters
       T D x 4 forward and gathers T D/q x 4 backward; logits gather T V/q (a)
     row (tpr): every weight [in, out] hands over in out / q^2 (w) forward and reduce-
@@ -241,16 +242,20 @@ def _grid_tensor(w, plan, state, book) -> None:
         fwd["gather", "tpr"] += d_in * d_out / q ** 2 * 4
         bwd["scatter", "tpr"] += d_in * d_out / q * 4
 
+    def scattered(width, nbytes):           # partial outputs [T, width] reduce-scattered
+        fwd["scatter", "tpc"] += T * width * nbytes
+        bwd["gather", "tpc"] += T * width / q * nbytes
+
     for i in w.blocks_on(state, plan):
         norm(), norm()
-        gathered(D, r), gathered(D, a)      # q/k/v input, attention output
+        gathered(D, r), scattered(D, a)     # q/k/v input, o's partial outputs
         for _ in range(4):
             weight(D, D)
         if w.is_moe_block(i):               # [T, D/q] -> [T/q, D] and back
             fwd["a2a", "tpc"] += 2 * T * D / q * r
             bwd["a2a", "tpc"] += 2 * T * D / q * r
         else:
-            gathered(D, r), gathered(F, a)
+            gathered(D, r), scattered(D, a)   # w1 (w3) input, w2's partial outputs
             for _ in range(3 if w.gated else 2):
                 weight(D, F)
     blocks = Counter(fwd) if plan.recompute == "full" else Counter()  # recompute repeats them
