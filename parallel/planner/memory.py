@@ -24,7 +24,9 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
                          + r K (3 D + 2 F_e (3 F_e gated))   dispatched rows
   with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
   recompute=full keeps D per block and rebuilds one block at a time in backward.
-  Sequence parallelism and MoE sequence splitting divide all of it by tp.
+  Sequence parallelism and MoE sequence splitting divide all of it by tp. The 2-D grid
+  (tp_mode 2d/2.5d) is modelled the same way: its gathered matmul inputs (2 T D/(d q) per
+  block) are larger than T D/tp, its other tensors are T x/tp (bench/tensor_parallel.py).
   The last stage adds the loss: logits, their fp32 copy/log-softmax and gradient, 3 x 4
   bytes per vocabulary entry per token (vocabulary gathered: not divided by tp).
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
