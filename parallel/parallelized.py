@@ -83,8 +83,8 @@ class Parallelized:
         finally:
             if self.grad_sync is not None:
                 self.grad_sync.enabled = True
-        if self.grad_sync is not None:
-            self.grad_sync.sync()
+        if self.grad_sync is not None and self.pipeline.has_grads:
+            self.grad_sync.sync()  # (2bw's first step has no gradient to apply yet)
         if self.tied is not None:
             self.tied.sum_grads(held_grad(self.tied.param, self.zero))
         return loss
@@ -167,6 +167,8 @@ class Parallelized:
         if self.meshes is not None and (self.plan.ep > 1 or self.plan.etp > 1):
             from .expert import expert_checkpoint_transforms
             steps.append(expert_checkpoint_transforms(self.model, self.meshes))
+        if self.plan.pp > 1 and self.plan.pp_schedule == "2bw":
+            steps.append(self.pipeline.checkpoint_transforms())
 
         def transform(model_sd, optim_sd):
             for fwd, _ in steps:

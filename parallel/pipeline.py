@@ -72,6 +72,9 @@ def split_pipeline(model, plan, meshes, loss_fn):
     """Prune `model` to this pp rank's stages; return a PipelineRunner (schedule built lazily)."""
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
+    if plan.pp_schedule == "2bw":
+        from .pipedream import split_2bw
+        return split_2bw(model, plan, meshes, loss_fn)
     n_layers, n = len(model.blocks), plan.num_stages
     stages = _stage_ids(plan, meshes.pp_rank)
     per_stage = {s: _layers_of(s, n_layers, n) for s in stages}
@@ -98,6 +101,8 @@ class PipelineRunner:
     `runner.stage_aux_loss()` is this rank's part of that aux loss (before the pp sum);
     `runner.evaluate(x, y)` is the forward-only mean task loss, on every pp rank.
     """
+
+    has_grads = True  # step() leaves a gradient to reduce and apply (2bw's first does not)
 
     def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn):
         self.plan, self.meshes, self.model = plan, meshes, model
@@ -144,6 +149,10 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.meshes.group("pp"))
         return total[0]
 
+
+    def drain(self) -> None:
+        """Nothing in flight between steps: the synchronous schedules flush every step (2bw
+        does not: parallel/pipedream.py)."""
 
     def stage_aux_loss(self) -> torch.Tensor:
         """The aux loss of this rank's MoE layers in the last step(), averaged over

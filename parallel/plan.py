@@ -16,7 +16,8 @@ model/MoE/batch sizes, and every error names the field and a fix.
 import dataclasses
 from dataclasses import dataclass, field
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_interleaved", "zbv", "dualpipev")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_interleaved", "zbv", "dualpipev", "2bw")
+ASYNC_SCHEDULES = ("2bw",)  # PipeDream-2BW: no flush, delayed update (parallel/pipedream.py)
 LOOPED_SCHEDULES = ("interleaved_1f1b", "zb_interleaved")  # stages r, r+pp, ... on rank r
 V_SCHEDULES = ("zbv", "dualpipev")                          # stages r and 2pp-1-r on rank r
 MULTI_STAGE_SCHEDULES = LOOPED_SCHEDULES + V_SCHEDULES
@@ -44,7 +45,7 @@ class ParallelPlan:
     ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*tp and moe.num_experts"})
     etp: int = field(default=1, metadata={"help": "expert tensor parallelism: each routed expert's d_ff split over etp ranks (ep*etp must divide dp*tp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
-    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b | zb_interleaved (interleaved zero bubble) | zbv (zero bubble, V-shape stages) | dualpipev (DeepSeek-V3's DualPipe, V-shape)"})
+    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b | zb_interleaved (interleaved zero bubble) | zbv (zero bubble, V-shape stages) | dualpipev (DeepSeek-V3's DualPipe, V-shape) | 2bw (PipeDream-2BW: asynchronous, 2 weight versions, each update uses the gradient of the previous weights)"})
     pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, zb_interleaved, zbv and dualpipev, else 1)"})
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
@@ -114,6 +115,7 @@ class ParallelPlan:
         _check_ep(plan)
         _check_tp_mode(plan)
         _check_zero_family(plan)
+        _check_2bw(plan)
         if _has_moe(moe_cfg):
             _check_replicas(plan, moe_cfg)
         if model_cfg is not None:
@@ -245,6 +247,28 @@ def _check_tp_mode(p: ParallelPlan) -> None:
                    f"grid modules' collectives are not traced); set compile=false")
 
 
+def _check_2bw(p: ParallelPlan) -> None:
+    """PipeDream-2BW runs its own schedule (parallel/pipedream.py) over one stage per rank and
+    applies the optimizer to whole, untied, fp32 stage weights; what it does not serve is refused."""
+    if p.pp_schedule != "2bw" or p.pp == 1:
+        return
+    fix = "or use parallel.pp_schedule=1f1b"
+    for bad, what in ((p.microbatches < p.pp, f"parallel.microbatches={p.microbatches} < parallel.pp="
+                       f"{p.pp}: a step's gradient is complete only m >= pp micro-batches later; raise "
+                       f"microbatches to {p.pp} or more"),
+                      (p.tp > 1, f"parallel.tp={p.tp}: set tp=1"),
+                      (p.ep > 1 or p.etp > 1, "parallel.ep/etp > 1: set ep=1 and etp=1"),
+                      (p.zero > 0, f"parallel.zero={p.zero}: the stashed weight versions are whole "
+                       f"parameters; set zero=0"),
+                      (p.stages_per_rank > 1, "parallel.pp_stages_per_rank > 1: 2bw runs one stage per "
+                       "rank; set pp_stages_per_rank=0"),
+                      (p.recompute != "none", f"parallel.recompute={p.recompute}: set recompute=none"),
+                      (p.precision != "fp32", f"parallel.precision={p.precision}: set precision=fp32"),
+                      (p.compile, "parallel.compile=true: set compile=false")):
+        if bad:
+            raise _err(f"parallel.pp_schedule=2bw with {what} ({fix})")
+
+
 def _check_zero_family(p: ParallelPlan) -> None:
     """offload and the ZeRO++ flags: each names the stage it needs."""
     if p.offload not in OFFLOADS:
@@ -318,6 +342,10 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
                            f"divides it (or change model.{name})")
     if p.tp_mode != "1d":
         _check_grid_model(p, m)
+    if p.pp > 1 and p.pp_schedule == "2bw" and getattr(m, "tie_embeddings", False):
+        raise _err("parallel.pp_schedule=2bw with model.tie_embeddings=true: the first and last "
+                   "stage would update one weight from two stashed versions; set "
+                   "model.tie_embeddings=false (or use parallel.pp_schedule=1f1b)")
     if p.pp > 1 and p.pp_schedule in V_SCHEDULES and getattr(m, "tie_embeddings", False):
         raise _err(f"parallel.pp_schedule={p.pp_schedule} with model.tie_embeddings=true: the V puts "
                    f"both ends of the pipeline on rank 0, where torch 2.13's zero-bubble weight pass "

@@ -310,8 +310,14 @@ def load(ctx, path, par, optimizer) -> dict:
         load_model_weights(path, par)
         return _restore_rng(ctx, path)
     state = _model_optim_state(par, optimizer, for_load=True)
+    _drop_absent_optional(state, path)
+    # each rank saved its own param_groups under the same keys (a pipeline stage lists its own
+    # parameters), so the loaded lists are one rank's: keep this rank's, take the values
+    mine = [list(g["params"]) for g in state["optim"].get("param_groups", [])]
     with _quiet_single_process(ctx):
         dcp.load(state, checkpoint_id=str(path))
+    for group, params in zip(state["optim"].get("param_groups", []), mine):
+        group["params"] = params
     _, untransform = par.checkpoint_transforms()
     model_sd, optim_sd = untransform(state["model"], state["optim"])
     if par.zero is None:
@@ -321,6 +327,19 @@ def load(ctx, path, par, optimizer) -> dict:
         _set_zero_optim_state(par.model, optimizer, par.zero, optim_sd)
         par.zero.refresh_from_params()
     return _restore_rng(ctx, path)
+
+
+OPTIONAL_PREFIXES = ("pipeline_2bw_pending_grad.",)  # a 2bw run's pending gradient (pipedream.py)
+
+
+def _drop_absent_optional(state: dict, path: Path) -> None:
+    """Entries only some layouts save (2bw's pending gradient) are loaded when the
+    checkpoint has them: a 2bw run resumed from another schedule's checkpoint starts
+    without one."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = state["model"]
+    for k in [k for k in model if k.startswith(OPTIONAL_PREFIXES) and f"model.{k}" not in saved]:
+        del model[k]
 
 
 def _has_optimizer_state(path: Path) -> bool:

@@ -396,6 +396,8 @@ class Trainer:
             self.log.info(f"step {n}: no checkpoint while steps are being skipped as non-finite")
             return
         plan = self.par.plan
+        if self.par.pipeline is not None:
+            self.par.pipeline.drain()  # 2bw: finish the backwards in flight (a no-op otherwise)
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
                  "config": to_dict(self.cfg),
                  "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "etp", "zero")}}

@@ -255,3 +255,18 @@ def test_grid_tensor_parallel_groups_and_summary():
     assert "tpc" not in rank_groups(ParallelPlan(tp=4).validate(4))
     # the grid splits no sequence: a seq_len 1d's sequence parallelism refuses is fine here
     ParallelPlan(tp=4, tp_mode="2d").validate(4, MODEL, MOE, 8, seq_len=30)
+
+
+@pytest.mark.parametrize("kwargs,world,pattern", [
+    (dict(pp=2, pp_schedule="2bw", microbatches=1), 2, r"2bw with parallel\.microbatches=1 < parallel\.pp=2"),
+    (dict(pp=2, tp=2, pp_schedule="2bw"), 4, r"2bw with parallel\.tp=2: set tp=1"),
+    (dict(pp=2, dp=2, ep=2, pp_schedule="2bw"), 4, r"2bw with parallel\.ep/etp > 1"),
+    (dict(pp=2, dp=2, zero=1, pp_schedule="2bw"), 4, r"2bw with parallel\.zero=1: the stashed weight"),
+    (dict(pp=2, recompute="full", pp_schedule="2bw"), 2, r"2bw with parallel\.recompute=full"),
+    (dict(pp=2, precision="bf16", pp_schedule="2bw"), 2, r"2bw with parallel\.precision=bf16"),
+    (dict(pp=2, pp_schedule="2bw"), 2, r"2bw with model\.tie_embeddings=true.*tie_embeddings=false"),
+])
+def test_2bw_refusals_name_the_field(kwargs, world, pattern):
+    model = ModelConfig(**{**MODEL.__dict__, "tie_embeddings": "tie_embeddings" in pattern})
+    with pytest.raises(ValueError, match=pattern):
+        ParallelPlan(**kwargs).validate(world, model, MOE, 8)

@@ -1,0 +1,216 @@
+"""PipeDream-2BW (Narayanan et al., ICML 2021): asynchronous 1F1B with double-buffered weights,
+parallel.pp_schedule = "2bw".
+
+Shapes: b micro-batch (sequences), S sequence, D model dim; m micro-batches per optimizer
+step, p = pp stages (one per rank), w = p - 1 - stage: the forwards a stage runs ahead.
+
+The micro-batches of all steps form one stream n = 0, 1, 2, ... (batch t holds n in
+[t m, (t+1) m)). Stage s runs F(n) then B(n - w) at every slot n, with no flush between
+optimizer steps: `step(x, y)` (one per trainer step) runs the m slots of its batch, so the
+last w backwards of batch t run during step t+1.
+Weights: every forward of batch t and its backward use the version the stage had when
+batch t began (its "stash": the parameter tensors as they were, kept alive by autograd and
+by this runner), so a gradient is always taken on one version. Step t hands the optimizer
+the gradient of batch t-1 (complete on every stage by the end of step t, since m >= p):
+    W(t+1) = W(t) - lr * grad f_t(W(t-1))       (2BW's delayed update; step 0 has none)
+Two versions live at once: the stash of batch t-1 (until its last backward, early in step
+t) and the current parameters (also batch t's stash). Before the optimizer updates the
+parameters in place, they move to a fresh copy (`_unalias`) if a stash still shares them,
+after the older stash is freed: so at most 2 weight versions are held.
+`drain()` finishes the backwards in flight (before evaluation, a checkpoint, the end): the
+next step refills the pipeline. A drain changes no value, only when gradients are taken,
+and the gradient not yet applied (batch t's, due at step t+1) is part of the checkpoint
+(`pending`), so a resumed run continues exactly.
+"""
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from moe import MoELayer
+from moe.aux import inject_aux_loss
+
+from .pipeline import _DTYPES, PipelineRunner
+
+
+PENDING, FLAG = "pipeline_2bw_pending_grad.", "_present"
+
+
+class TwoBWRunner(PipelineRunner):
+    """Same interface as PipelineRunner (step, stage_aux_loss, evaluate) plus drain()."""
+
+    def __init__(self, plan, meshes, model, loss_fn):
+        super().__init__(plan, meshes, model, [model], [meshes.pp_rank], loss_fn)
+        self.stage, self.p, self.m = meshes.pp_rank, plan.pp, plan.microbatches
+        self.w = self.p - 1 - self.stage
+        self.group = meshes.group("pp")
+        self.n = 0                  # next micro-batch to run forward
+        self.flight = deque()       # (n, input, output or loss) awaiting backward
+        self.stash = {}             # batch -> {name: leaf tensor sharing that version}
+        self.pending = {}           # batch -> {name: gradient}: complete, not yet applied
+        self.sends = []             # isend works not yet known complete
+        self.losses, self.has_grads = {}, False
+
+    @property
+    def params(self) -> dict:
+        """{name: parameter} of the stage, read when used (materialising a meta model and
+        FSDP-like wrappers replace the parameter objects after the split)."""
+        return dict(self.model.named_parameters())
+
+    # ---- the schedule
+    def step(self, x_BS, y_BS):
+        t = self.n // self.m
+        xs, ys = x_BS.chunk(self.m), y_BS.chunk(self.m)
+        self._aux.clear()
+        for j in range(self.m):
+            self._forward(xs[j], ys[j])
+            if len(self.flight) > self.w:  # steady state: one backward per forward
+                self._backward()
+        self._hand_over(t - 1)
+        return self._loss_of(t)
+
+    def drain(self) -> None:
+        """Run every backward still in flight (the next step refills the pipeline)."""
+        while self.flight:
+            self._backward()
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+    def _version(self, batch: int) -> dict:
+        if batch not in self.stash:  # the parameters as they are now, no copy: .data, not
+            # detach(), so the optimizer's in-place updates of the parameter (once _hand_over
+            # moved it off this storage) do not bump a version counter autograd checks here
+            self.stash[batch] = {k: p.data.requires_grad_(p.requires_grad)
+                                 for k, p in self.params.items()}
+        return self.stash[batch]
+
+    def _forward(self, x, y):
+        n, batch = self.n, self.n // self.m
+        if self.stage > 0:
+            x = self._recv(self.stage - 1).requires_grad_()
+        out = functional_call(self.model, self._version(batch), (x,))
+        if self.stage == self.p - 1:
+            out = self.loss_fn(out, y)
+            self.losses.setdefault(batch, []).append(out.detach())
+        else:
+            self._send(out.detach(), self.stage + 1)
+        self.flight.append((n, x, out))
+        self.n += 1
+
+    def _backward(self):
+        n, x, out = self.flight.popleft()
+        if self.stage == self.p - 1:
+            out.backward()
+        else:
+            torch.autograd.backward(out, self._recv(self.stage + 1))
+        if self.stage > 0:
+            self._send(x.grad, self.stage - 1)
+        if n % self.m == self.m - 1:  # the batch's last backward: its gradient is complete
+            batch = n // self.m
+            version = self.stash.pop(batch)
+            self.pending[batch] = {k: (v.grad / self.m if v.grad is not None else None)
+                                   for k, v in version.items()}
+
+    def _hand_over(self, batch: int) -> None:
+        """Give the parameters batch `batch`'s gradient (None at the first step), then move them
+        off any stash that still shares their storage, so the optimizer's in-place update
+        leaves that version intact."""
+        grads = self.pending.pop(batch, None)
+        self.has_grads = grads is not None
+        for k, p in self.params.items():
+            p.grad = grads[k] if grads is not None else None
+        live = {v[k].untyped_storage().data_ptr() for v in self.stash.values() for k in v}
+        with torch.no_grad():
+            for p in self.params.values():
+                if p.untyped_storage().data_ptr() in live:
+                    p.data = p.data.clone()
+
+    def _loss_of(self, batch: int) -> torch.Tensor:
+        last = self.stage == self.p - 1
+        losses = self.losses.pop(batch, []) if last else []
+        task = torch.stack([l.float() for l in losses]).mean() if losses else torch.zeros(())
+        n = self.m * sum(isinstance(mod, MoELayer) for mod in self.model.modules())
+        aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / self.m if n and self._aux else torch.zeros(())
+        self._stage_aux = aux
+        total = (task + aux).reshape(1)
+        dist.all_reduce(total, group=self.group)
+        return total[0]
+
+    # ---- point to point (a small header first: shape and dtype)
+    def _send(self, h, stage: int) -> None:
+        dst = dist.get_global_rank(self.group, stage)
+        h = h.contiguous()
+        header = torch.tensor([h.dim(), *h.shape, *[0] * (4 - h.dim()), _DTYPES.index(h.dtype)],
+                              dtype=torch.long, device=h.device)
+        self.sends = [w for w in self.sends if not w.is_completed()]  # (their tensors freed)
+        self.sends += [dist.isend(header, dst, group=self.group), dist.isend(h, dst, group=self.group)]
+
+    def _recv(self, stage: int):
+        src = dist.get_global_rank(self.group, stage)
+        device = next(iter(self.params.values())).device
+        header = torch.empty(6, dtype=torch.long, device=device)
+        dist.recv(header, src, group=self.group)
+        ndim, *dims = header[:5].tolist()
+        h = torch.empty(dims[:ndim], dtype=_DTYPES[int(header[5])], device=device)
+        dist.recv(h, src, group=self.group)
+        return h
+
+    # ---- checkpoints and evaluation
+    def pending_state(self) -> dict:
+        """{name: gradient} not yet applied (after drain(): the last batch's), for a checkpoint."""
+        if len(self.pending) > 1:
+            raise RuntimeError("2bw: more than one pending gradient; call drain() first")
+        grads = next(iter(self.pending.values()), None)
+        return {} if grads is None else {k: g for k, g in grads.items() if g is not None}
+
+    def set_pending(self, grads: dict) -> None:
+        """Restore the gradient a checkpoint held: the next step applies it."""
+        batch = self.n // self.m - 1
+        self.pending = {batch: {k: grads.get(k) for k in self.params}} if grads else {}
+
+    def checkpoint_transforms(self):
+        """(transform, untransform) adding the gradient not yet applied to the model state as
+        PENDING + name entries (a checkpoint is saved after drain(): at most one), with a flag
+        PENDING + FLAG saying whether there is one (none before the first step). Loading a
+        checkpoint without them (another schedule's) restores no gradient."""
+        def fwd(model_sd, optim_sd):
+            grads = self.pending_state()
+            out = dict(model_sd)
+            for k, p in self.params.items():
+                out[PENDING + k] = grads.get(k, torch.zeros_like(p.data)).detach()
+            out[PENDING + FLAG] = torch.tensor([1.0 if grads else 0.0])
+            return out, optim_sd
+
+        def back(model_sd, optim_sd):
+            out = dict(model_sd)
+            flag = out.pop(PENDING + FLAG, None)
+            grads = {k[len(PENDING):]: out.pop(k) for k in list(out) if k.startswith(PENDING)}
+            self.set_pending(grads if flag is not None and float(flag[0]) > 0 else {})
+            return out, optim_sd
+        return fwd, back
+
+    def evaluate(self, x_BS, y_BS) -> torch.Tensor:
+        self.drain()
+        losses = []
+        with torch.no_grad():
+            losses = self._v_forward(x_BS, y_BS)
+        last = self.stage == self.p - 1
+        task = torch.stack([l.float() for l in losses]).mean() if last and losses else torch.zeros(())
+        task = task.reshape(1).to(x_BS.device)
+        dist.all_reduce(task, group=self.group)
+        return task[0]
+
+
+def split_2bw(model, plan, meshes, loss_fn) -> TwoBWRunner:
+    """Prune `model` to this pp rank's stage (one per rank) and return its 2BW runner."""
+    from .pipeline import _keep_blocks, _layers_of
+    stage, n = meshes.pp_rank, plan.pp
+    model.blocks = _keep_blocks(model.blocks, _layers_of(stage, len(model.blocks), n))
+    if stage != 0:
+        model.tok_emb, model.pos_emb = None, None
+    if stage != n - 1:
+        model.norm, model.lm_head = None, None
+    inject_aux_loss(model)
+    return TwoBWRunner(plan, meshes, model, loss_fn)
