@@ -31,7 +31,8 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
   bytes per vocabulary entry per token (vocabulary gathered: not divided by tp).
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
 Phases (each on top of params + optimizer state):
-  forward end     activations (+ zero 3: two gathered FSDP units, the next prefetched;
+  forward end     activations (+ 2bw's stashed weight version or pending gradient;
+                  + zero 3: two gathered FSDP units, the next prefetched;
                   + the gradients when earlier micro-batches of the step made them)
   gradient sync   full gradients + the flat copy all_reduce_flat / reduce-scatter make of
                   the largest bucket (zero 3: the largest unit's unsharded gradient)
@@ -155,6 +156,13 @@ def activations(w, plan, state, stage: int) -> Activations:
     return Activations(int(kept), flight, loss, total, passes)
 
 
+def stashed_bytes(state, plan) -> int:
+    """PipeDream-2BW (parallel/pipedream.py) holds one more weight-sized set per stage: the
+    stashed version the in-flight backwards of the previous step use (stages before the
+    last), or the last stage's gradient of the current step awaiting its delayed update."""
+    return state.params.bytes if plan.pp > 1 and plan.pp_schedule == "2bw" else 0
+
+
 def hpz_held_bytes(state) -> int:
     """ZeRO++ hpZ: between forward and backward every hpZ unit keeps its secondary shard
     (unit bytes / zeropp_hpz) instead of freeing its parameters."""
@@ -168,7 +176,7 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     base = ms["params"].get(DEVICE, 0) + ms["optimizer"].get(DEVICE, 0)
     full_grads = state.params.bytes
     held = sum(ms["grads"].values())  # produced on the device before any move to the host
-    forward = base + acts.total + hpz_held_bytes(state)
+    forward = base + acts.total + hpz_held_bytes(state) + stashed_bytes(state, plan)
     if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
         forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:

@@ -12,9 +12,16 @@ chunk's forward+backward; Qi et al. 2024's equal-time assumption):
   zb_interleaved: idle (p-1)/3 chunk slots (ZB-H1's third of 1F1B's) -> (p-1) / (3*v*m + p - 1)
   zbv, dualpipev: 0 (ZB-V, and DeepSeek-V3's DualPipe bubble (p/2-1)(F&B + B - 3W), vanish at
                   equal times; real T_W < T_B leaves some, which bench/pipeline_bubble.py measures)
+PipeDream-2BW (2bw) never flushes: the micro-batches of consecutive steps keep the pipeline
+full. What is left is the training loop's per-step barrier (the loss, gradient-norm and
+agreement all-reduces): stage s runs s forward slots behind stage 0, so each step every stage
+waits (p-1) forward passes, T_F = (T_F + T_B)/3 at T_B = 2 T_F:
+  2bw: (p-1) / (3*m + p - 1)        (1F1B's fill and drain, forward passes only)
+(the fill at the start and at each drain before evaluation or a checkpoint not counted).
+It is not the synchronous function: each update uses the gradient of the previous weights.
 Activations alive at the peak (in units of one micro-batch through one chunk):
   gpipe: m * v (all forwards before any backward)
-  1f1b: min(m, p - s) (warm-up forwards of stage s)
+  1f1b, 2bw: min(m, p - s) (warm-up forwards of stage s)
   interleaved_1f1b, zb_interleaved: min(m*v, 2*(p - s - 1) + (v - 1)*p + 1) (torch's warm-up
       count + 1)
   zbv, dualpipev: min(2m, 2p) (p micro-batches of both chunks: 1F1B's peak, Qi et al. 2024)
@@ -27,6 +34,8 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) 
         return 0.0
     if schedule in V_SCHEDULES:
         return 0.0
+    if schedule == "2bw":
+        return (pp - 1) / (3 * microbatches + pp - 1)
     v = chunks if schedule in LOOPED_SCHEDULES else 1
     if schedule == "zb_interleaved":
         return (pp - 1) / (3 * v * microbatches + pp - 1)
@@ -40,7 +49,7 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int
     m = microbatches
     if schedule == "gpipe":
         return m * chunks
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "2bw"):
         return min(m, pp - stage)
     if schedule in V_SCHEDULES:
         return min(2 * m, 2 * pp)
