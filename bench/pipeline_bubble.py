@@ -2,7 +2,7 @@
 
     python bench/pipeline_bubble.py [--pp 2] [--mbs 2 4 8] [--steps 5] [--d-model 256] [--schedules ...]
 
-Each schedule (gpipe, 1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev) runs a dense
+Each schedule (gpipe, 1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev, 2bw) runs a dense
 GPT (8 layers, MoE off) split over --pp processes (gloo, one thread each) for --steps timed
 optimizer steps after 2 warm-up ones, at each micro-batch count (rows validate refuses, e.g.
 fewer micro-batches than the schedule needs, are skipped). Idle fraction of a stage = 1 - (its process CPU time /
@@ -12,7 +12,7 @@ waiting for the neighbour stage (the bubble, plus message latency). Needs the co
 itself: with other jobs running, waiting for a core looks like idle time too.
 Predicted = parallel/planner/schedule.py: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), v=2;
 zb_interleaved (p-1)/(3 v m+p-1), zbv and dualpipev 0 (at equal forward / input-backward /
-weight-backward times).
+weight-backward times); 2bw (p-1)/(3m+p-1), the per-step barrier (its loss all-reduce here).
 """
 import argparse
 import os
