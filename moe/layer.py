@@ -134,6 +134,7 @@ class MoELayer(nn.Module):
         self.dispatcher = LocalDispatcher(num_experts)
         self.ep_group = None
         self.etp_group = None  # set by set_etp_group: each expert's d_ff split over its ranks
+        self.shared_run_outside = False  # set_shared_run_outside: the caller runs shared_experts
         self.aux_loss = torch.zeros(())
         self.aux_losses = {}
         self.last_stats = None
@@ -157,6 +158,14 @@ class MoELayer(nn.Module):
         (expert tensor parallelism, moe/expert_tp.py); composes with set_ep_group."""
         from .expert_tp import split_layer_ffn
         split_layer_ffn(self, etp_group)
+
+    def set_shared_run_outside(self) -> None:
+        """forward no longer adds shared_experts(x): the caller runs them on its own layout
+        and adds their output (2-D tensor parallelism splits them over its grid where the
+        routed experts get whole tokens: parallel/tensor2d.py). The parameters stay here."""
+        if self.shared_experts is None:
+            raise ValueError("set_shared_run_outside: this layer has no shared experts")
+        self.shared_run_outside = True
 
     @property
     def force_balance(self) -> bool:
@@ -202,7 +211,7 @@ class MoELayer(nn.Module):
                 y_ND = tensor_parallel_experts(self.experts, x_ND, counts_E, extend, self.etp_group)
         with record_function("moe.combine"):
             y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not self.shared_run_outside:
             with record_function("moe.shared_experts"):
                 y_TD = y_TD + self.shared_experts(x_TD)
         self._record(routing, meta, losses)

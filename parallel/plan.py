@@ -341,7 +341,7 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
                 raise _err(f"model.{name}={v} is not divisible by parallel.tp={p.tp}; pick a tp that "
                            f"divides it (or change model.{name})")
     if p.tp_mode != "1d":
-        _check_grid_model(p, m)
+        _check_grid_model(p, m, moe_cfg)
     if p.pp > 1 and p.pp_schedule == "2bw" and getattr(m, "tie_embeddings", False):
         raise _err("parallel.pp_schedule=2bw with model.tie_embeddings=true: the first and last "
                    "stage would update one weight from two stashed versions; set "
@@ -365,7 +365,7 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         _check_etp_model(p, m, moe_cfg)
 
 
-def _check_grid_model(p: ParallelPlan, m) -> None:
+def _check_grid_model(p: ParallelPlan, m, moe_cfg) -> None:
     """The q x q grid splits heads, d_model, d_ff and the vocab q ways each."""
     q = p.tp_grid
     sizes = [("n_heads", getattr(m, "n_heads", None)), ("d_model", getattr(m, "d_model", None)),
@@ -377,6 +377,10 @@ def _check_grid_model(p: ParallelPlan, m) -> None:
     if getattr(m, "bias", False):
         raise _err(f"parallel.tp_mode={p.tp_mode} with model.bias=true is not implemented (the grid "
                    f"modules hold no biases); set model.bias=false or tp_mode='1d'")
+    if _has_moe(moe_cfg) and getattr(moe_cfg, "shared_expert_gate", False):
+        raise _err(f"parallel.tp_mode={p.tp_mode} with moe.shared_expert_gate=true is not "
+                   f"implemented (the gate reads whole tokens, the grid splits them); set "
+                   f"moe.shared_expert_gate=false or tp_mode='1d'")
 
 
 def _check_etp_model(p: ParallelPlan, m, moe_cfg) -> None:

@@ -15,7 +15,6 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
   output      lm_head column-parallel over V (tied to tok_emb when the model ties them), the
               logits all-gathered so any loss function works.
 """
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -27,22 +26,6 @@ from moe import DenseFFN, MoELayer
 
 from . import tp_comm
 from .dtensors import local
-
-
-class _SplitSeq(torch.autograd.Function):
-    """Replicated [B, S, D] -> this rank's [B, s, D]; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x_BSD, group):
-        ctx.group = group
-        P, r = dist.get_world_size(group), dist.get_rank(group)
-        return x_BSD.chunk(P, dim=1)[r].contiguous()
-
-    @staticmethod
-    def backward(ctx, g_BsD):
-        parts = [torch.empty_like(g_BsD) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, g_BsD.contiguous(), group=ctx.group)
-        return torch.cat(parts, dim=1), None
 
 
 def _tp_mean(x, group):
@@ -116,7 +99,7 @@ def _check_input(model, group) -> None:
 
 def _split_after_embedding(model, group) -> None:
     def pre(_mod, args):
-        return (_SplitSeq.apply(local(args[0]), group),) + tuple(args[1:])
+        return (tp_comm.split(local(args[0]), group, 1),) + tuple(args[1:])
     model.drop.register_forward_pre_hook(pre)
 
 

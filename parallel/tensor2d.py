@@ -32,6 +32,8 @@ gradient placement that the gradient sync settles, like 1d's sequence-parallel n
   attention one gather of x over tpc feeds q, k and v (heads split over tpc, whole sequences
            per rank: attention itself is local); o in the scatter form
   dense FFN w1/w3 [1, D, F] gather form, w2 [1, F, D] scatter form on the hidden [b, S, Fq]
+  shared experts (MoE layers' always-on FFN) as the dense FFN, on [b, S, Dq] before the
+           all-to-all below, their output added after the inverse one
   MoE FFN  the layout changes here: [b, S, Dq] -> [b/q, S, D] by one all-to-all over tpc, so
            each tp rank holds B/tp whole sequences with the whole hidden dim, as under 1d
            (routing groups stay whole, every token is routed once, ep/etp apply as usual);
@@ -224,6 +226,25 @@ def _ffn(ffn: DenseFFN, grid: Grid) -> None:
     _graft(ffn, _GridFFN, grid)
 
 
+def _shared_on_grid(layer: MoELayer, grid: Grid) -> None:
+    """The shared experts are a dense FFN every token goes through: split over the grid like
+    the dense FFN and run on the grid layout [b, S, Dq] before the MoE layer's all-to-all;
+    their output is added to the routed experts' after the inverse all-to-all: registered
+    after moe_layout_hooks, the pre-hook goes first (prepend) and the forward hook last."""
+    _ffn(layer.shared_experts, grid)
+    layer.set_shared_run_outside()
+    held = {}
+
+    def pre(mod, args):
+        held["y"] = mod.shared_experts(args[0])
+
+    def post(_mod, _args, out):
+        return out + held.pop("y")
+
+    layer.register_forward_pre_hook(pre, prepend=True)
+    layer.register_forward_hook(post)
+
+
 def _gather_attention_input(grid: Grid):
     def pre(_mod, args):
         return (gc.gather(args[0], grid.tpc, -1),) + tuple(args[1:])
@@ -290,6 +311,8 @@ def _shard_block(block, grid: Grid, tp_group) -> None:
     attn.register_forward_pre_hook(_gather_attention_input(grid))
     if isinstance(block.ffn, MoELayer):
         moe_layout_hooks(block.ffn, grid.tpc, tp_group, split_dim=0, cat_dim=2)
+        if block.ffn.shared_experts is not None:
+            _shared_on_grid(block.ffn, grid)
     elif isinstance(block.ffn, DenseFFN):
         _ffn(block.ffn, grid)
     else:

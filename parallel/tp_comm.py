@@ -10,6 +10,8 @@ Each is one collective forward and its adjoint backward, over a group handed in:
   gather_replicated(x, g, d) all-gather along d for a value every rank then uses the same
                              way (the logits a replicated loss reads); backward keeps this
                              rank's block of the (identical) gradient, no communication
+  split(x, g, dim)           this rank's block of a replicated x (1d's sequence split after
+                             the embedding); backward all-gathers
   swap(x, g, a, b)           all-to-all: block r of dim a goes to rank r, the blocks received
                              are concatenated along dim b (a layout change: 1d's sequence ->
                              batch split before MoE layers, the grid's hidden -> batch);
@@ -54,81 +56,48 @@ def _block(x, group, dim):
     return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+class _Adjoint(torch.autograd.Function):
+    """y = forward(x, group, *dims); dx = backward(dy, group, *dims): one collective each way."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
+    def forward(ctx, x, forward, backward, group, *dims):
+        ctx.backward, ctx.group, ctx.dims = backward, group, dims
+        return forward(x, group, *dims)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.group, ctx.dim), None, None
+        return (ctx.backward(g, ctx.group, *ctx.dims), None, None, None) + (None,) * len(ctx.dims)
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _block(g, ctx.group, ctx.dim), None, None
-
-
-class _Swap(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, split_dim, cat_dim):
-        ctx.group, ctx.dims = group, (split_dim, cat_dim)
-        return _swap(x, group, split_dim, cat_dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        split_dim, cat_dim = ctx.dims
-        return _swap(g, ctx.group, cat_dim, split_dim), None, None, None
-
-
-def swap(x, group, split_dim, cat_dim):
-    return _Swap.apply(x, group, split_dim, cat_dim)
+def _all_reduce(x, group):
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def gather(x, group, dim):
-    return _Gather.apply(x, group, dim)
+    return _Adjoint.apply(x, _all_gather, _reduce_scatter, group, dim)
 
 
 def reduce_scatter(x, group, dim):
-    return _ReduceScatter.apply(x, group, dim)
+    return _Adjoint.apply(x, _reduce_scatter, _all_gather, group, dim)
 
 
 def all_reduce(x, group):
-    return _AllReduce.apply(x, group)
+    return _Adjoint.apply(x, _all_reduce, _all_reduce, group)
 
 
 def gather_replicated(x, group, dim):
-    return _GatherReplicated.apply(x, group, dim)
+    return _Adjoint.apply(x, _all_gather, _block, group, dim)
+
+
+def split(x, group, dim):
+    return _Adjoint.apply(x, _block, _all_gather, group, dim)
+
+
+def swap(x, group, split_dim, cat_dim):
+    return _Adjoint.apply(x, _swap, _unswap, group, split_dim, cat_dim)
+
+
+def _unswap(g, group, split_dim, cat_dim):
+    return _swap(g, group, cat_dim, split_dim)

@@ -37,7 +37,8 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
       for RMSNorm, two for LayerNorm); every gathered matmul input x [T, in/q] hands over
       T in/q forward and reduce-scatters T in backward: attention's x (r, once for q/k/v),
       the dense FFN's x (r), the head's x (r); o and w2 reduce-scatter their partial
-      outputs T D (a) forward and gather T D/q backward; an MoE
+      outputs T D (a) forward and gather T D/q backward (MoE layers' shared experts as the
+      dense FFN); an MoE
       layer swaps T D/q (r) each way, forward and backward; the embedding reduce-scatters
       T D x 4 forward and gathers T D/q x 4 backward; logits gather T V/q (a)
     row (tpr): every weight [in, out] hands over in out / q^2 (w) forward and reduce-
@@ -254,6 +255,11 @@ def _grid_tensor(w, plan, state, book) -> None:
         if w.is_moe_block(i):               # [T, D/q] -> [T/q, D] and back
             fwd["a2a", "tpc"] += 2 * T * D / q * r
             bwd["a2a", "tpc"] += 2 * T * D / q * r
+            shared = w.moe_cfg.num_shared_experts * w.expert_d_ff
+            if shared:                      # the shared experts: a dense FFN on the grid
+                gathered(D, r), scattered(D, a)
+                for _ in range(3 if w.gated else 2):
+                    weight(D, shared)
         else:
             gathered(D, r), scattered(D, a)   # w1 (w3) input, w2's partial outputs
             for _ in range(3 if w.gated else 2):

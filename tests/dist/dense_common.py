@@ -57,6 +57,61 @@ def reference_run(model_cfg, moe_cfg, steps=STEPS):
     return out
 
 
+def one_process_grads(model_cfg, moe_cfg):
+    """Logits and every gradient (by parameter name) of one process on step 0's global batch."""
+    model = make_model(model_cfg, moe_cfg)
+    x, y = batch(0, model_cfg.vocab_size)
+    logits = model(x)
+    (task_loss(logits, y) + collect_aux_loss(model)).backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def my_block(name, ref_grad, meshes, plan):
+    """This rank's part of a one-process gradient: experts [r*L, (r+1)*L) of the ep group,
+    d_ff block j of the etp group; everything else whole (tp pieces compare as full tensors)."""
+    from moe.expert_tp import FFN_DIMS, ffn_block
+    if ".experts." not in name:
+        return ref_grad
+    L = ref_grad.shape[0] // plan.ep
+    r, j = meshes.rank("ep"), meshes.rank("etp")
+    block = ref_grad[r * L:(r + 1) * L]
+    pname = name.rpartition(".")[2]
+    return ffn_block(block, pname, j, plan.etp) if pname in FFN_DIMS and plan.etp > 1 else block
+
+
+def one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol):
+    """One forward + backward of a layout on step 0's batch against one process:
+    (max |logit diff| on this rank's dp share, [(name, max |grad diff|, atol + rtol * max|ref|)]
+    for every parameter (none under ZeRO-2, whose sync leaves flat slices), ledger bytes by kind)."""
+    from parallel.apply import parallelize
+    from parallel.dtensors import local
+    from parallel.mesh import build_meshes
+    from parallel.plan import ParallelPlan
+    ref_logits, ref_grads = one_process_grads(model_cfg, moe_cfg)
+    plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, B)
+    meshes = build_meshes(plan)
+    par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
+    dp_rank, n = meshes.rank("dp"), B // plan.dp
+    x, y = batch(0, model_cfg.vocab_size)
+    x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+    with par.recording_comm():
+        logits = par.model(x)
+        (task_loss(logits, y) + collect_aux_loss(par.model)).backward()
+    comm = par.ledger.take()
+    logits = local(logits.full_tensor() if hasattr(logits, "full_tensor") else logits)
+    out_diff = (logits - ref_logits[dp_rank * n:(dp_rank + 1) * n]).abs().max().item()
+    assert {name for name, _ in par.model.named_parameters()} == set(ref_grads)  # every gradient
+    grads = []
+    for name, p in par.model.named_parameters():
+        if plan.zero == 2:
+            break  # reduce-scattered into flat slices: the training steps check them
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        want = my_block(name, ref_grads[name], meshes, plan)
+        assert g.shape == want.shape, (name, tuple(g.shape), tuple(want.shape))
+        grads.append((name, (g - want).abs().max().item(), grad_atol + grad_rtol * want.abs().max().item()))
+    return out_diff, grads, comm
+
+
 def clone(model):
     return copy.deepcopy(model)
 

@@ -14,8 +14,6 @@ The loop and grouped_mm expert paths are both run.
 """
 import pytest
 
-from moe.aux import collect_aux_loss, moe_layers
-from moe.expert_tp import FFN_DIMS, ffn_block
 from tests.dist import dense_common as dc
 from tests.dist.harness import run_distributed
 
@@ -37,65 +35,12 @@ def _configs(impl):
     return model_cfg, moe_cfg
 
 
-def _reference(model_cfg, moe_cfg):
-    """Logits and every gradient of one process on the global batch of step 0."""
-    model = dc.make_model(model_cfg, moe_cfg)
-    x, y = dc.batch(0, model_cfg.vocab_size)
-    logits = model(x)
-    (dc.task_loss(logits, y) + collect_aux_loss(model)).backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _my_block(name, ref_grad, meshes, plan):
-    """This rank's part of a one-process gradient: experts [r*L, (r+1)*L) of the ep group,
-    d_ff block j of the etp group; everything else whole."""
-    if ".experts." not in name:
-        return ref_grad
-    L = ref_grad.shape[0] // plan.ep
-    r, j = meshes.rank("ep"), meshes.rank("etp")
-    block = ref_grad[r * L:(r + 1) * L]
-    pname = name.rpartition(".")[2]
-    return ffn_block(block, pname, j, plan.etp) if pname in FFN_DIMS else block
-
-
-def _one_step_check(world, spec, model_cfg, moe_cfg):
-    """(max |logit diff|, [(name, max |grad diff|, bound)], expert_tensor_parallel bytes)."""
-    from parallel.apply import parallelize
-    from parallel.dtensors import local
-    from parallel.mesh import build_meshes
-    from parallel.plan import ParallelPlan
-    ref_logits, ref_grads = _reference(model_cfg, moe_cfg)
-    plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, dc.B)
-    meshes = build_meshes(plan)
-    par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=dc.task_loss)
-    dp_rank, n = meshes.rank("dp"), dc.B // plan.dp
-    x, y = dc.batch(0, model_cfg.vocab_size)
-    x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
-    with par.recording_comm():
-        logits = par.model(x)
-        (dc.task_loss(logits, y) + collect_aux_loss(par.model)).backward()
-    comm = par.ledger.take()
-    mine = ref_logits[dp_rank * n:(dp_rank + 1) * n]
-    out_diff = (local(logits.full_tensor() if hasattr(logits, "full_tensor") else logits) - mine).abs().max().item()
-    grads = []
-    assert {n for n, _ in par.model.named_parameters()} == set(ref_grads)  # every gradient
-    for name, p in par.model.named_parameters():
-        if plan.zero == 2:
-            break  # reduce-scattered into flat slices: the 5 steps below check them
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        want = _my_block(name, ref_grads[name], meshes, plan)
-        assert g.shape == want.shape, (name, tuple(g.shape), tuple(want.shape))
-        grads.append((name, (g - want).abs().max().item(),
-                      GRAD_ATOL + GRAD_RTOL * want.abs().max().item()))
-    assert all(layer.etp_group is not None for _, layer in moe_layers(par.model))
-    return out_diff, grads, comm.get("expert_tensor_parallel", 0)
-
-
 def _worker(rank, world, layouts):
     out = {}
     for name, spec, impl in layouts:
         model_cfg, moe_cfg = _configs(impl)
-        out[name] = (_one_step_check(world, spec, model_cfg, moe_cfg),
+        out_diff, grads, comm = dc.one_step_check(world, spec, model_cfg, moe_cfg, GRAD_ATOL, GRAD_RTOL)
+        out[name] = ((out_diff, grads, comm.get("expert_tensor_parallel", 0)),
                      dc.train_layout(world, spec, model_cfg, moe_cfg))
     return out
 

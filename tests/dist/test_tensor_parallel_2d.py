@@ -9,11 +9,11 @@ For each layout: the same weights and global batch as one process give
 and the ledger books the grid's collectives by kind (row, column and, under 2.5d, depth).
 fp32 throughout: the grid only reorders sums (SUMMA's q partial products, the norms' q
 partial statistics). The model has dense and MoE blocks, tied embeddings and RoPE; one
-layout unties them, uses learned positions and LayerNorm.
+layout unties them, uses learned positions, LayerNorm and a shared expert (split over the
+grid like the dense FFN).
 """
 import pytest
 
-from moe.aux import collect_aux_loss
 from tests.dist import dense_common as dc
 from tests.dist.harness import run_distributed
 
@@ -37,56 +37,15 @@ def _configs(variant):
         return dc.configs()
     model_cfg, moe_cfg = dc.configs(positions="learned", tie=False)
     model_cfg.norm = "layernorm"
+    moe_cfg.num_shared_experts = 1  # split over the grid like the dense FFN
     return model_cfg, moe_cfg
-
-
-def _reference(model_cfg, moe_cfg):
-    model = dc.make_model(model_cfg, moe_cfg)
-    x, y = dc.batch(0, model_cfg.vocab_size)
-    logits = model(x)
-    (dc.task_loss(logits, y) + collect_aux_loss(model)).backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _one_step_check(world, spec, model_cfg, moe_cfg):
-    """(max |logit diff|, [(name, max |grad diff|, bound)], ledger bytes by kind)."""
-    from parallel.apply import parallelize
-    from parallel.mesh import build_meshes
-    from parallel.plan import ParallelPlan
-    ref_logits, ref_grads = _reference(model_cfg, moe_cfg)
-    plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, dc.B)
-    meshes = build_meshes(plan)
-    par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=dc.task_loss)
-    dp_rank, n = meshes.rank("dp"), dc.B // plan.dp
-    x, y = dc.batch(0, model_cfg.vocab_size)
-    x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
-    with par.recording_comm():
-        logits = par.model(x)
-        (dc.task_loss(logits, y) + collect_aux_loss(par.model)).backward()
-    comm = par.ledger.take()
-    out_diff = (logits - ref_logits[dp_rank * n:(dp_rank + 1) * n]).abs().max().item()
-    assert {name for name, _ in par.model.named_parameters()} == set(ref_grads)
-    grads = []
-    for name, p in par.model.named_parameters():
-        if plan.zero == 2:
-            break  # reduce-scattered into flat slices: the 5 steps below check them
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        want = ref_grads[name]
-        if ".experts." in name:
-            L = want.shape[0] // plan.ep
-            r = meshes.rank("ep")
-            want = want[r * L:(r + 1) * L]
-        assert g.shape == want.shape, (name, tuple(g.shape), tuple(want.shape))
-        grads.append((name, (g - want).abs().max().item(),
-                      GRAD_ATOL + GRAD_RTOL * want.abs().max().item()))
-    return out_diff, grads, comm
 
 
 def _worker(rank, world, layouts):
     out = {}
     for name, spec, variant in layouts:
         model_cfg, moe_cfg = _configs(variant)
-        out[name] = (_one_step_check(world, spec, model_cfg, moe_cfg),
+        out[name] = (dc.one_step_check(world, spec, model_cfg, moe_cfg, GRAD_ATOL, GRAD_RTOL),
                      dc.train_layout(world, spec, model_cfg, moe_cfg))
     return out
 
