@@ -50,7 +50,10 @@ def test_config_error_under_torchrun_is_the_summarys_root_cause(tmp_path):
     assert line in summary
     assert "exitcode  : 2" in summary          # the workers' exit code for a config error
     assert out.returncode != 0
-    assert out.stderr.count(line) == 3          # rank 0's own line + one per failed worker
+    # never repeated beyond rank 0's own line and one summary entry per worker (the root
+    # cause always has it, asserted above; under load torchrun may stop the other worker
+    # before it writes its line: seen once, a count of 1)
+    assert out.stderr.count(line) <= 3
     assert not (tmp_path / "runs").exists()     # checked before any run directory is made
 
 
