@@ -28,20 +28,18 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from moe import MoELayer
-from moe.aux import inject_aux_loss
-
-from .pipeline import _DTYPES, PipelineRunner
+from .pipeline import PipelineRunner, _recv_activation, activation_messages
 
 
 PENDING, FLAG = "pipeline_2bw_pending_grad.", "_present"
 
 
 class TwoBWRunner(PipelineRunner):
-    """Same interface as PipelineRunner (step, stage_aux_loss, evaluate) plus drain()."""
+    """PipelineRunner's interface (step, stage_aux_loss, evaluate, drain), one stage per rank
+    (split_pipeline prunes the model and builds it for pp_schedule=2bw)."""
 
-    def __init__(self, plan, meshes, model, loss_fn):
-        super().__init__(plan, meshes, model, [model], [meshes.pp_rank], loss_fn)
+    def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn):
+        super().__init__(plan, meshes, model, chunks, stage_ids, loss_fn)
         self.stage, self.p, self.m = meshes.pp_rank, plan.pp, plan.microbatches
         self.w = self.p - 1 - self.stage
         self.group = meshes.group("pp")
@@ -129,33 +127,17 @@ class TwoBWRunner(PipelineRunner):
 
     def _loss_of(self, batch: int) -> torch.Tensor:
         last = self.stage == self.p - 1
-        losses = self.losses.pop(batch, []) if last else []
-        task = torch.stack([l.float() for l in losses]).mean() if losses else torch.zeros(())
-        n = self.m * sum(isinstance(mod, MoELayer) for mod in self.model.modules())
-        aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / self.m if n and self._aux else torch.zeros(())
-        self._stage_aux = aux
-        total = (task + aux).reshape(1)
-        dist.all_reduce(total, group=self.group)
-        return total[0]
+        return self._total_loss(self.losses.pop(batch, []) if last else [], last)
 
-    # ---- point to point (a small header first: shape and dtype)
+    # ---- point to point (parallel/pipeline.py's header protocol; sends do not block)
     def _send(self, h, stage: int) -> None:
         dst = dist.get_global_rank(self.group, stage)
-        h = h.contiguous()
-        header = torch.tensor([h.dim(), *h.shape, *[0] * (4 - h.dim()), _DTYPES.index(h.dtype)],
-                              dtype=torch.long, device=h.device)
         self.sends = [w for w in self.sends if not w.is_completed()]  # (their tensors freed)
-        self.sends += [dist.isend(header, dst, group=self.group), dist.isend(h, dst, group=self.group)]
+        self.sends += [dist.isend(t, dst, group=self.group) for t in activation_messages(h)]
 
     def _recv(self, stage: int):
-        src = dist.get_global_rank(self.group, stage)
         device = next(iter(self.params.values())).device
-        header = torch.empty(6, dtype=torch.long, device=device)
-        dist.recv(header, src, group=self.group)
-        ndim, *dims = header[:5].tolist()
-        h = torch.empty(dims[:ndim], dtype=_DTYPES[int(header[5])], device=device)
-        dist.recv(h, src, group=self.group)
-        return h
+        return _recv_activation(dist.get_global_rank(self.group, stage), device, self.group)
 
     # ---- checkpoints and evaluation
     def pending_state(self) -> dict:
@@ -190,27 +172,3 @@ class TwoBWRunner(PipelineRunner):
             self.set_pending(grads if flag is not None and float(flag[0]) > 0 else {})
             return out, optim_sd
         return fwd, back
-
-    def evaluate(self, x_BS, y_BS) -> torch.Tensor:
-        self.drain()
-        losses = []
-        with torch.no_grad():
-            losses = self._v_forward(x_BS, y_BS)
-        last = self.stage == self.p - 1
-        task = torch.stack([l.float() for l in losses]).mean() if last and losses else torch.zeros(())
-        task = task.reshape(1).to(x_BS.device)
-        dist.all_reduce(task, group=self.group)
-        return task[0]
-
-
-def split_2bw(model, plan, meshes, loss_fn) -> TwoBWRunner:
-    """Prune `model` to this pp rank's stage (one per rank) and return its 2BW runner."""
-    from .pipeline import _keep_blocks, _layers_of
-    stage, n = meshes.pp_rank, plan.pp
-    model.blocks = _keep_blocks(model.blocks, _layers_of(stage, len(model.blocks), n))
-    if stage != 0:
-        model.tok_emb, model.pos_emb = None, None
-    if stage != n - 1:
-        model.norm, model.lm_head = None, None
-    inject_aux_loss(model)
-    return TwoBWRunner(plan, meshes, model, loss_fn)

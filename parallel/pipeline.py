@@ -28,7 +28,7 @@ from moe import MoELayer
 from moe.aux import inject_aux_loss
 
 from .dtensors import local
-from .plan import MULTI_STAGE_SCHEDULES, V_SCHEDULES
+from .plan import ASYNC_SCHEDULES, MULTI_STAGE_SCHEDULES, V_SCHEDULES
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -72,9 +72,6 @@ def split_pipeline(model, plan, meshes, loss_fn):
     """Prune `model` to this pp rank's stages; return a PipelineRunner (schedule built lazily)."""
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
-    if plan.pp_schedule == "2bw":
-        from .pipedream import split_2bw
-        return split_2bw(model, plan, meshes, loss_fn)
     n_layers, n = len(model.blocks), plan.num_stages
     stages = _stage_ids(plan, meshes.pp_rank)
     per_stage = {s: _layers_of(s, n_layers, n) for s in stages}
@@ -88,6 +85,9 @@ def split_pipeline(model, plan, meshes, loss_fn):
     if len(chunks) == 1:
         chunks = [model]  # the pruned model itself is the stage (FSDP2 root hooks fire)
     inject_aux_loss(model)
+    if plan.pp_schedule in ASYNC_SCHEDULES:
+        from .pipedream import TwoBWRunner
+        return TwoBWRunner(plan, meshes, model, chunks, stages, loss_fn)
     return PipelineRunner(plan, meshes, model, chunks, stages, loss_fn)
 
 
@@ -166,9 +166,10 @@ class PipelineRunner:
         A schedule of its own, always run forward-only: sharing the training schedule would
         redo its shape inference (a real forward) at every train/eval switch.
         """
+        self.drain()
         losses = []
         first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids
-        if self.plan.pp_schedule in V_SCHEDULES:
+        if self.plan.pp_schedule in V_SCHEDULES + ASYNC_SCHEDULES:  # no torch schedule to eval
             with torch.no_grad():
                 losses = self._v_forward(x_BS, y_BS)
         else:
@@ -216,12 +217,18 @@ class PipelineRunner:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _send_activation(h, dst: int, group) -> None:
+def activation_messages(h) -> tuple:
+    """(header, tensor) to send for activation h: a small header (its shape and dtype) first,
+    which _recv_activation reads."""
     h = local(h).contiguous()
     header = torch.tensor([h.dim(), *h.shape, *[0] * (4 - h.dim()), _DTYPES.index(h.dtype)],
                           dtype=torch.long, device=h.device)
-    dist.send(header, dst, group=group)
-    dist.send(h, dst, group=group)
+    return header, h
+
+
+def _send_activation(h, dst: int, group) -> None:
+    for t in activation_messages(h):
+        dist.send(t, dst, group=group)
 
 
 def _recv_activation(src: int, device, group):

@@ -112,6 +112,17 @@ def one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol):
     return out_diff, grads, comm
 
 
+def check_layouts(world, layouts, configs_of, grad_atol, grad_rtol) -> dict:
+    """In a worker: {name: (one_step_check(...), train_layout(...))} for each (name, spec,
+    variant) of `layouts`, the model configs from configs_of(variant)."""
+    out = {}
+    for name, spec, variant in layouts:
+        model_cfg, moe_cfg = configs_of(variant)
+        out[name] = (one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol),
+                     train_layout(world, spec, model_cfg, moe_cfg))
+    return out
+
+
 def clone(model):
     return copy.deepcopy(model)
 

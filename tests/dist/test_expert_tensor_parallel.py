@@ -36,13 +36,7 @@ def _configs(impl):
 
 
 def _worker(rank, world, layouts):
-    out = {}
-    for name, spec, impl in layouts:
-        model_cfg, moe_cfg = _configs(impl)
-        out_diff, grads, comm = dc.one_step_check(world, spec, model_cfg, moe_cfg, GRAD_ATOL, GRAD_RTOL)
-        out[name] = ((out_diff, grads, comm.get("expert_tensor_parallel", 0)),
-                     dc.train_layout(world, spec, model_cfg, moe_cfg))
-    return out
+    return dc.check_layouts(world, layouts, _configs, GRAD_ATOL, GRAD_RTOL)
 
 
 @pytest.mark.long
@@ -51,7 +45,8 @@ def test_expert_tensor_parallel_equals_one_process_world4():
     results = run_distributed(_worker, 4, LAYOUTS, timeout=400)
     for name, _, impl in LAYOUTS:
         for rank, rank_out in enumerate(results):
-            (out_diff, grads, etp_bytes), losses = rank_out[name]
+            (out_diff, grads, comm), losses = rank_out[name]
+            etp_bytes = comm.get("expert_tensor_parallel", 0)
             assert out_diff <= OUT_ATOL, f"{name} rank {rank}: logits differ by {out_diff:.2e}"
             bad = [(n, f"{d:.2e} > {b:.2e}") for n, d, b in grads if d > b]
             assert not bad, f"{name} rank {rank}: gradients differ: {bad}"

@@ -42,12 +42,7 @@ def _configs(variant):
 
 
 def _worker(rank, world, layouts):
-    out = {}
-    for name, spec, variant in layouts:
-        model_cfg, moe_cfg = _configs(variant)
-        out[name] = (dc.one_step_check(world, spec, model_cfg, moe_cfg, GRAD_ATOL, GRAD_RTOL),
-                     dc.train_layout(world, spec, model_cfg, moe_cfg))
-    return out
+    return dc.check_layouts(world, layouts, _configs, GRAD_ATOL, GRAD_RTOL)
 
 
 def _check(layouts, results, refs):
