@@ -126,6 +126,7 @@ class MoEConfig:
     balance_loss: str = _help("sequence", "load-balance loss over: 'sequence', 'micro_batch' or 'global_batch' (all micro-batches and dp ranks of a step)")
     experts_impl: str = _help("auto", "expert matmuls: 'loop' (per-expert fused loop), 'grouped_mm' (torch._grouped_mm) or 'auto' (measured-faster per device/dtype)")
     force_balance: bool = _help(False, "BENCHMARKING ONLY: ignore the router's expert choice and spread assignments evenly (gates kept)")
+    a2a_overlap_degree: int = _help(1, "under expert parallelism: cut each MoE layer's all-to-all into this many chunks, chunk c+1's exchange flying while the experts compute chunk c (same function); 1 = off, needs parallel.ep > 1")
     replica_slots: int = _help(0, "hot-expert replication under expert parallelism: extra expert slots per ep rank for replicas of the step's hottest experts (same function, rows per rank nearer the mean); 0 = off, needs parallel.ep > 1")
 
     def __post_init__(self):
@@ -154,6 +155,9 @@ class MoEConfig:
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"moe.{n}={v!r} must be an integer >= 0")
+        d = self.a2a_overlap_degree
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"moe.a2a_overlap_degree={d!r} must be an integer >= 1 (1 = off)")
         _choice(self, s, "router", ROUTERS)
         _choice(self, s, "score_func", SCORE_FUNCS)
         _choice(self, s, "balance_loss", BALANCE_LOSSES)
@@ -208,7 +212,7 @@ class MoEConfig:
                     shared_expert_gate=self.shared_expert_gate, swiglu_alpha=self.swiglu_alpha,
                     swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss,
                     experts_impl=self.experts_impl, force_balance=self.force_balance,
-                    replica_slots=self.replica_slots)
+                    replica_slots=self.replica_slots, a2a_overlap_degree=self.a2a_overlap_degree)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

@@ -35,11 +35,29 @@ EXPERT_PARAM_ATTR = "_moe_expert"  # set True on parameters that hold experts
 
 
 @dataclass(frozen=True)
+class SendPlan:
+    x_AD: torch.Tensor         # this rank's kept rows in send order (destination, slot)
+    local: DispatchMeta        # their tokens, gates and slots, in the same order
+    table_PPW: torch.Tensor    # long [P, P, W]: rows source -> destination slot (all ranks')
+    placement: Placement       # the same on every rank of the group
+
+
+@dataclass(frozen=True)
+class Exchange:
+    send_splits: tuple         # rows sent to each rank (P)
+    recv_splits: tuple         # rows received from each rank (P)
+    perm_N: torch.Tensor       # long [N]: received (source, slot) order -> (slot, source)
+    unperm_N: torch.Tensor     # long [N]: its inverse
+    counts_L: tuple            # rows per local slot (owned, then replicas)
+
+
+@dataclass(frozen=True)
 class EPDispatchMeta:
     local: DispatchMeta        # this rank's assignments, in send order (destination slot)
     send_splits: tuple         # rows sent to each rank (P)
     recv_splits: tuple         # rows received from each rank (P)
-    unperm_N: torch.Tensor     # long [N]: (slot, source) order -> (source, slot) order
+    unperm_N: torch.Tensor     # long [N]: (slot, source) order -> (source, slot) order (None
+                               # when the exchange ran in chunks: moe/overlap.py)
     counts_L: tuple            # rows per local slot after the exchange (owned, then replicas)
     placement: Placement       # the same on every rank of the group
 
@@ -85,9 +103,9 @@ class ExpertParallelDispatcher:
         self.num_local = num_experts // self.world
         self.replica_slots = replica_slots
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        """-> (x_ND, counts_L, meta). The exchange needs its split sizes on the host, so
-        counts_L (rows per local slot) are Python ints here."""
+    def plan(self, x_TD: torch.Tensor, routing: Routing) -> "SendPlan":
+        """Route this rank's assignments: exchange the count tables, place experts and
+        replicas, gather the rows in send order (destination rank, then slot)."""
         P, r = self.world, self.rank
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
         mine_PE = counts_E.to(x_TD.device).expand(P, -1)
@@ -102,18 +120,32 @@ class ExpertParallelDispatcher:
         x_AD, token_A, gate_A, slot_A = gather_sorted(x_TD, routing, order_A)
         local = DispatchMeta(token_A, gate_A, slot_A, routing.slots_per_token,
                              routing.num_tokens, counts_E)
-        send_splits = routes.table_PPW[r].sum(1).tolist()
-        recv_PW = routes.table_PPW[:, r, :].to(x_TD.device)
+        return SendPlan(x_AD, local, routes.table_PPW, placement)
+
+    def exchange_plan(self, table_PPW: torch.Tensor, placement: Placement) -> "Exchange":
+        """Splits, permutations and slot counts of one exchange whose rows per (source,
+        destination, slot) are `table_PPW` (the whole dispatch, or one chunk of it)."""
+        r = self.rank
+        send_splits = table_PPW[r].sum(1).tolist()
+        recv_PW = table_PPW[:, r, :]
         recv_splits = recv_PW.sum(1).tolist()
-        x_ND = all_to_all(x_AD, recv_splits, send_splits, self.group)
         perm_N = source_to_expert_order(recv_PW)
         unperm_N = torch.empty_like(perm_N)
         unperm_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device)
         slots = self.num_local + len(placement.replicas[r])
-        counts_L = tuple(recv_PW.sum(0).tolist()[:slots])
-        meta = EPDispatchMeta(local, tuple(send_splits), tuple(recv_splits), unperm_N, counts_L,
-                              placement)
-        return x_ND[perm_N], list(counts_L), meta
+        return Exchange(tuple(send_splits), tuple(recv_splits), perm_N, unperm_N,
+                        tuple(recv_PW.sum(0).tolist()[:slots]))
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        """-> (x_ND, counts_L, meta). The exchange needs its split sizes on the host, so
+        counts_L (rows per local slot) are Python ints here."""
+        sp = self.plan(x_TD, routing)
+        ex = self.exchange_plan(sp.table_PPW, sp.placement)
+        x_ND = all_to_all(sp.x_AD, list(ex.recv_splits), list(ex.send_splits), self.group)
+        perm_N = ex.perm_N.to(x_ND.device)
+        meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N.to(x_ND.device),
+                              ex.counts_L, sp.placement)
+        return x_ND[perm_N], list(ex.counts_L), meta
 
     def expert_weights(self, params: tuple, meta: EPDispatchMeta) -> tuple:
         """Each of `params` (w1, w2, ... with E_local rows, None allowed) with this rank's
@@ -170,6 +202,10 @@ def check_shardable(layer, ep_group) -> tuple:
     if R and P == 1:
         raise ValueError(f"replica_slots={R} (moe.replica_slots) needs an expert-parallel group of "
                          f"more than one rank; set it to 0 or use parallel.ep > 1")
+    if layer.a2a_overlap_degree > 1 and P == 1:
+        raise ValueError(f"a2a_overlap_degree={layer.a2a_overlap_degree} (moe.a2a_overlap_degree) "
+                         f"overlaps the expert-parallel all-to-all, but the ep group has one rank; "
+                         f"set it to 1 or use parallel.ep > 1")
     if R > E - L:
         raise ValueError(f"replica_slots={R} (moe.replica_slots) exceeds the {E - L} experts a rank "
                          f"does not own at ep={P}; use at most {E - L}")

@@ -36,6 +36,12 @@ def _check_layer_args(d_model, d_ff, num_shared_experts, shared_expert_gate, rep
                          f"hot-expert replicas)")
 
 
+def _check_overlap_degree(d) -> None:
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise ValueError(f"a2a_overlap_degree={d!r} must be an integer >= 1 (1 = the exchange "
+                         f"is not split; d > 1 overlaps d chunks' all-to-alls with the experts)")
+
+
 def _mask_GS(token_mask, shape, x_GSD):
     if tuple(token_mask.shape) != tuple(shape[:-1]):
         raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; it must be the input's "
@@ -89,6 +95,12 @@ class MoELayer(nn.Module):
           (moe/ep_dispatcher.py). Same function as R = 0. Takes effect when the layer is
           sharded over an ep group of more than one rank (an error otherwise).
           `last_stats.rank_rows` / `.rank_rows_unreplicated`: rows per ep rank with / without.
+      a2a_overlap_degree: d >= 1 (1 = off). Under expert parallelism the dispatched rows are
+          cut into d chunks (every expert's rows split evenly, routing untouched) and chunk
+          c+1's all-to-all flies while the experts compute chunk c; combine and backward
+          overlap likewise, and the shared experts run while the first dispatch flies
+          (moe/overlap.py). Same function as d = 1. Takes effect when the layer is sharded
+          over an ep group of more than one rank (an error otherwise).
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
@@ -105,7 +117,7 @@ class MoELayer(nn.Module):
                  swiglu_limit: float = 7.0, logits_dtype=None, score_dtype=None,
                  expert_capacity=None, balance_loss: str = "sequence",
                  experts_impl: str = "auto", force_balance: bool = False,
-                 replica_slots: int = 0):
+                 replica_slots: int = 0, a2a_overlap_degree: int = 1):
         super().__init__()
         config = RoutingConfig(
             num_experts=num_experts, top_k=top_k, kind=router, capacity_factor=capacity_factor,
@@ -115,10 +127,13 @@ class MoELayer(nn.Module):
             router_bias=router_bias, logits_dtype=logits_dtype, score_dtype=score_dtype,
             force_balance=force_balance, balance_loss=balance_loss)
         _check_layer_args(d_model, d_ff, num_shared_experts, shared_expert_gate, replica_slots)
+        _check_overlap_degree(a2a_overlap_degree)
         check_activation(activation)
         if force_balance:
             warnings.warn(FORCE_BALANCE_WARNING, stacklevel=2)
         self.replica_slots = replica_slots
+        self.a2a_overlap_degree = a2a_overlap_degree
+        self.timeline = None  # set_timeline: a moe/profiling/timeline.py Timeline, or None
         self.d_model, self.d_ff = d_model, d_ff
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, config, init_std)
@@ -200,22 +215,49 @@ class MoELayer(nn.Module):
                 losses["load_balance"] = self.balance(routing.probs_GSE, routing.ids_GSK, mask_GS)
             losses["z_loss"] = routing.z_loss
         x_TD = x_GSD.reshape(-1, D)
-        with record_function("moe.dispatch"):
-            x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
-        with record_function("moe.experts"):
-            extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
-            if self.etp_group is None:
-                y_ND = self.experts(x_ND, counts_E, extend)
-            else:  # the layout changes here: rows gathered over the etp group and back
-                from .expert_tp import tensor_parallel_experts
-                y_ND = tensor_parallel_experts(self.experts, x_ND, counts_E, extend, self.etp_group)
-        with record_function("moe.combine"):
-            y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
-        if self.shared_experts is not None and not self.shared_run_outside:
-            with record_function("moe.shared_experts"):
-                y_TD = y_TD + self.shared_experts(x_TD)
+        if self._overlapped():
+            y_TD, meta = self._overlapped_forward(x_TD, routing, x.dtype)
+        else:
+            with record_function("moe.dispatch"):
+                x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
+            with record_function("moe.experts"):
+                extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
+                y_ND = self._run_experts(x_ND, counts_E, extend)
+            with record_function("moe.combine"):
+                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
+            if self.shared_experts is not None and not self.shared_run_outside:
+                with record_function("moe.shared_experts"):
+                    y_TD = y_TD + self.shared_experts(x_TD)
         self._record(routing, meta, losses)
         return y_TD.reshape(shape)
+
+    def _run_experts(self, x_ND, counts, extend):
+        if self.etp_group is None:
+            return self.experts(x_ND, counts, extend)
+        # the layout changes here: rows gathered over the etp group and back
+        from .expert_tp import tensor_parallel_experts
+        return tensor_parallel_experts(self.experts, x_ND, counts, extend, self.etp_group)
+
+    def _overlapped(self) -> bool:
+        """The chunked, overlapped exchange (moe/overlap.py): d > 1, or d = 1 with a timeline
+        attached (one chunk: the same exchanges as dispatch/combine, recorded)."""
+        return self.ep_group is not None and not isinstance(self.dispatcher, LocalDispatcher) \
+            and (self.a2a_overlap_degree > 1 or self.timeline is not None)
+
+    def _overlapped_forward(self, x_TD, routing, out_dtype):
+        from .overlap import overlapped_experts
+        shared = None
+        if self.shared_experts is not None and not self.shared_run_outside:
+            shared = lambda: self.shared_experts(x_TD)  # noqa: E731 - runs while dispatch flies
+        with record_function("moe.overlapped_experts"):
+            y_TD, meta, shared_TD = overlapped_experts(
+                self.dispatcher, x_TD, routing, self._run_experts, self.a2a_overlap_degree,
+                out_dtype, in_flight=shared, timeline=self.timeline)
+        return (y_TD if shared_TD is None else y_TD + shared_TD), meta
+
+    def set_timeline(self, timeline) -> None:
+        """Record this layer's exchanges and expert chunks on `timeline` (None: stop)."""
+        self.timeline = timeline
 
     def _record(self, routing, meta, losses: dict) -> None:
         self.aux_losses = losses
@@ -233,6 +275,8 @@ class MoELayer(nn.Module):
             s += f", experts_impl={self.experts.experts_impl!r}"
         if self.replica_slots:
             s += f", replica_slots={self.replica_slots}"
+        if self.a2a_overlap_degree > 1:
+            s += f", a2a_overlap_degree={self.a2a_overlap_degree}"
         return s + (", force_balance=True (BENCHMARK ONLY: routing ignored)"
                     if self.force_balance else "")
 
@@ -256,6 +300,8 @@ class MoELayer(nn.Module):
             parts.append("shared experts" + (" (sigmoid-gated)" if gated else ""))
         if self.replica_slots:
             parts.append(f"replica_slots={self.replica_slots}")
+        if self.a2a_overlap_degree > 1:
+            parts.append(f"a2a_overlap_degree={self.a2a_overlap_degree}")
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

@@ -58,6 +58,27 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=Non
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
     for root in roots or [model]:
         fully_shard(root, mesh=dp, mp_policy=mp_policy)
+    if plan.zero_prefetch:
+        set_prefetch(blocks, plan.zero_prefetch)
+
+
+def set_prefetch(blocks, n: int) -> None:
+    """parallel.zero_prefetch = n: when block i's parameters are gathered, FSDP2 also issues
+    the all-gathers of blocks i+1..i+n in forward (i-1..i-n in backward), each with the FSDP
+    units inside it (experts, routers): their communication runs while block i computes.
+    Memory: up to n more blocks' unsharded parameters are alive at once (FSDP2's implicit
+    default, n = 0 here, keeps one block ahead)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def units(block):  # the block's own unit first, then those inside it, in forward order
+        return [m for m in block.modules() if isinstance(m, FSDPModule)]
+    for i, block in enumerate(blocks):
+        ahead = [u for b in blocks[i + 1:i + 1 + n] for u in units(b)]
+        behind = [u for b in reversed(blocks[max(0, i - n):i]) for u in units(b)]
+        if ahead:
+            block.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            block.set_modules_to_backward_prefetch(behind)
 
 
 def _hpz_for(module, n: int, hpz: int):

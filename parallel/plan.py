@@ -31,7 +31,7 @@ def _toml(v) -> str:
 
 
 # settings the start-up layout line shows when they differ from the default
-_SHOWN_IF_SET = ("recompute", "compile", "offload", "zeropp_quantize_weights", "zeropp_hpz",
+_SHOWN_IF_SET = ("recompute", "compile", "offload", "zero_prefetch", "zeropp_quantize_weights", "zeropp_hpz",
                  "zeropp_quantize_grads")
 
 
@@ -52,6 +52,7 @@ class ParallelPlan:
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
+    zero_prefetch: int = field(default=0, metadata={"help": "zero 3: explicit FSDP2 prefetch, all-gather the next n blocks' parameters while this one computes (forward) and the previous n (backward); costs n more unsharded blocks of memory; 0 = FSDP2's implicit one-ahead"})
     zeropp_quantize_weights: bool = field(default=False, metadata={"help": "ZeRO++ qwZ: zero-3 parameter all-gathers in block-quantized int8 (zero 3)"})
     zeropp_hpz: int = field(default=0, metadata={"help": "ZeRO++ hpZ: ranks per node; after forward keep a secondary parameter shard over that many consecutive dp ranks so backward gathers stay in the node (zero 3; 0 = off)"})
     zeropp_quantize_grads: bool = field(default=False, metadata={"help": "ZeRO++ qgZ: gradient reduce-scatter as an all-to-all of block-quantized int8 (zero 2, 3)"})
@@ -115,9 +116,11 @@ class ParallelPlan:
         _check_ep(plan)
         _check_tp_mode(plan)
         _check_zero_family(plan)
+        _check_prefetch(plan)
         _check_2bw(plan)
         if _has_moe(moe_cfg):
             _check_replicas(plan, moe_cfg)
+            _check_overlap(plan, moe_cfg)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
         if batch_size is not None:
@@ -296,6 +299,15 @@ def _check_zero_family(p: ParallelPlan) -> None:
                    f"pp_schedule=1f1b / interleaved_1f1b with zero 3")
 
 
+def _check_prefetch(p: ParallelPlan) -> None:
+    n = p.zero_prefetch
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise _err(f"parallel.zero_prefetch={n!r} must be an integer >= 0 (0 = FSDP2's default)")
+    if n and p.zero != 3:
+        raise _err(f"parallel.zero_prefetch={n} prefetches ZeRO-3 parameter all-gathers (got "
+                   f"zero={p.zero}); set parallel.zero=3 or zero_prefetch=0")
+
+
 def _check_hpz(p: ParallelPlan) -> None:
     h = p.zeropp_hpz
     if not isinstance(h, int) or isinstance(h, bool) or h < 0:
@@ -327,6 +339,17 @@ def _check_replicas(p: ParallelPlan, moe_cfg) -> None:
     if p.ep > 1 and E % p.ep == 0 and R > E - E // p.ep:
         raise _err(f"moe.replica_slots={R} exceeds the {E - E // p.ep} experts an ep rank does "
                    f"not own (moe.num_experts={E}, parallel.ep={p.ep}); use at most {E - E // p.ep}")
+
+
+def _check_overlap(p: ParallelPlan, moe_cfg) -> None:
+    d = getattr(moe_cfg, "a2a_overlap_degree", 1)
+    if d > 1 and p.ep == 1:
+        raise _err(f"moe.a2a_overlap_degree={d} overlaps the expert-parallel all-to-all, but "
+                   f"parallel.ep=1 has none; set parallel.ep > 1 or moe.a2a_overlap_degree=1")
+    if d > 1 and p.zero == 3:
+        raise _err(f"moe.a2a_overlap_degree={d} with parallel.zero=3: the experts would run once "
+                   f"per chunk and FSDP2 would gather their weights {d} times per layer; use "
+                   f"zero <= 2 or moe.a2a_overlap_degree=1")
 
 
 def _check_model(p: ParallelPlan, m, moe_cfg) -> None:

@@ -43,7 +43,9 @@ REJECTED = "rejected"  # checkpoints/rejected/: step dirs moved aside, never loa
 # Fields that change behaviour but not parameter shapes: a resume may change them.
 NON_STRUCTURAL = {"model": {"dropout"},
                   "moe": {"capacity_factor", "eval_capacity_factor", "aux_loss_coef",
-                          "z_loss_coef", "jitter", "bias_update_rate"}}
+                          "z_loss_coef", "jitter", "bias_update_rate",
+                          # how the layer runs, not what it holds: same weights and state
+                          "experts_impl", "replica_slots", "a2a_overlap_degree"}}
 
 
 def checkpoint_root(run_dir) -> Path:

@@ -32,7 +32,8 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
 Phases (each on top of params + optimizer state):
   forward end     activations (+ 2bw's stashed weight version or pending gradient;
-                  + zero 3: two gathered FSDP units, the next prefetched;
+                  + zero 3: 1 + max(1, parallel.zero_prefetch) gathered FSDP units, this
+                  one and those prefetched;
                   + the gradients when earlier micro-batches of the step made them)
   gradient sync   full gradients + the flat copy all_reduce_flat / reduce-scatter make of
                   the largest bucket (zero 3: the largest unit's unsharded gradient)
@@ -181,7 +182,7 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
         forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:
         biggest = max(u[1] * u[2] for u in state.fsdp_units)
-        forward += 2 * biggest
+        forward += (1 + max(1, plan.zero_prefetch)) * biggest  # this unit + those prefetched
         sync = base + held + biggest
     else:
         flat = max((b[5] if plan.zero == 2 else b[3] for b in state.buckets), default=0)

@@ -42,6 +42,14 @@ def _placement(par, opt) -> dict:
             "state_bytes": model_state_bytes(par.model, par.grads(), opt)["optimizer"]}
 
 
+def _prefetch_lists(model) -> list:
+    """[(forward, backward)] per FSDP2 block: how many units its gather prefetches."""
+    from torch.distributed.fsdp import FSDPModule
+    blocks = [b for b in model.blocks if isinstance(b, FSDPModule)] if hasattr(model, "blocks") else []
+    return [(len(b._get_fsdp_state()._states_to_forward_prefetch),
+             len(b._get_fsdp_state()._states_to_backward_prefetch)) for b in blocks]
+
+
 def _worker(rank, world, layouts, env):
     os.environ.update(env)
     out = {}
@@ -54,6 +62,7 @@ def _worker(rank, world, layouts, env):
                 seen["inter"] = par.ledger.take_inter_node()
             if step == 0:
                 seen["placement"] = _placement(par, opt)
+                seen["prefetch"] = _prefetch_lists(par.model)
         out[name] = {"losses": dc.train_layout(world, spec, *dc.configs(), inspect=inspect), **seen}
     return out
 
@@ -105,13 +114,27 @@ def test_world2_offload_and_quantized_collectives():
         assert both["expert_all_to_all"] > 0  # (its size follows the routing, which int8 weights move)
 
 
-def test_world4_hpz_keeps_backward_gathers_in_the_node():
+def test_world4_hpz_keeps_backward_gathers_in_the_node_and_prefetch():
     """dp=4 as 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2 tells the ledger, as torchrun would):
-    hpZ computes the same, and the gather bytes that cross nodes drop."""
-    layouts = [("zero3", dict(dp=4, zero=3)), ("hpz2", dict(dp=4, zero=3, zeropp_hpz=2))]
+    hpZ computes the same, and the gather bytes that cross nodes drop. zero_prefetch=2
+    (with ep=2: the MoE blocks hold expert and router units) computes the same, moves the
+    same bytes, and every block's gather really prefetches the next two blocks' units."""
+    layouts = [("zero3", dict(dp=4, zero=3)), ("hpz2", dict(dp=4, zero=3, zeropp_hpz=2)),
+               ("prefetch2", dict(dp=4, zero=3, zero_prefetch=2)),
+               ("ep2_zero3", dict(dp=4, ep=2, zero=3)),
+               ("ep2_prefetch2", dict(dp=4, ep=2, zero=3, zero_prefetch=2))]
     ref = dc.reference_run(*dc.configs())
     for rank_out in run_distributed(_worker, 4, layouts, {"LOCAL_WORLD_SIZE": "2"}, timeout=300):
         base, hpz = rank_out["zero3"], rank_out["hpz2"]
+        for name, plain in (("prefetch2", "zero3"), ("ep2_prefetch2", "ep2_zero3")):
+            got = rank_out[name]
+            assert _close([l for l, _ in got["losses"]], [l for l, _ in ref], ATOL, RTOL), name
+            assert got["comm"] == rank_out[plain]["comm"], (name, got["comm"], rank_out[plain]["comm"])
+            fwd = [f for f, _ in got["prefetch"]]
+            bwd = [b for _, b in got["prefetch"]]
+            assert len(fwd) >= 3 and all(f >= 2 for f in fwd[:-2]) and fwd[-1] == 0, (name, got["prefetch"])
+            assert bwd[0] == 0 and all(b >= 2 for b in bwd[2:]), (name, got["prefetch"])
+            assert rank_out[plain]["prefetch"] == [(0, 0)] * len(fwd), rank_out[plain]["prefetch"]
         for got in (base, hpz):
             assert _close([l for l, _ in got["losses"]], [l for l, _ in ref], ATOL, RTOL)
             assert _close([n for _, n in got["losses"]], [n for _, n in ref], ATOL, RTOL)

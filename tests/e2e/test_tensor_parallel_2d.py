@@ -21,9 +21,11 @@ def test_2d_trains_like_one_process_and_resumes_under_1d_and_one_process(tmp_pat
     one, grid = tmp_path / "one", tmp_path / "grid"
     train(common + [f"run.dir={one}"], tmp_path)
     ref = losses(one)
-    # the grid with experts over ep x etp, ZeRO-1 and recomputation (none changes the function)
+    # the grid with experts over ep x etp, the overlapped all-to-all, ZeRO-1 and
+    # recomputation (none changes the function)
     out = train(common + [f"run.dir={grid}", "parallel.tp=4", "parallel.tp_mode=2d", "parallel.zero=1",
-                          "parallel.ep=2", "parallel.etp=2", "parallel.recompute=full"], tmp_path, nproc=4)
+                          "parallel.ep=2", "parallel.etp=2", "parallel.recompute=full",
+                          "moe.a2a_overlap_degree=2"], tmp_path, nproc=4)
     assert "dp=1 tp=4 pp=1 ep=2 zero=1 precision=fp32 tp_mode=2d etp=2 recompute=full" in out.stdout + out.stderr
     got = losses(grid)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]

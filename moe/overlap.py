@@ -1,0 +1,169 @@
+"""Expert-parallel all-to-all overlapped with expert compute (moe.a2a_overlap_degree = d).
+
+Shapes: A rows this rank sends, in send order (destination rank p, then slot w), N rows a
+chunk brings here, P ranks of the ep group, W expert slots per rank, T tokens, D model dim.
+
+The dispatch is planned once (routing, capacity drops, replica placement: ep_dispatcher.
+SendPlan), then every (source, destination, slot) block of rows is cut into d contiguous,
+near-equal pieces: chunk c holds piece c of every block, so each chunk is an ordinary
+exchange (its own splits and slot counts) and every row is computed exactly once by the
+expert it was routed to: the same function as d = 1, rows merely grouped differently.
+
+Forward, per rank:  issue dispatch 0 -> shared experts (while it flies) -> for each chunk c:
+issue dispatch c+1, wait dispatch c, compute experts on c, issue combine c -> wait the
+combines -> weighted combine. Backward overlaps the same way without extra code: each
+exchange is two autograd nodes (_Issue, _Wait). _Wait's backward issues the reverse exchange
+of the gradient and returns at once; _Issue's backward waits for it and returns its result, and autograd runs the other chunks'
+expert backward in between (it runs later-created nodes first). No host sync is added: the
+splits are the host ints the count exchange already produced, and on CUDA `wait` only makes
+the compute stream wait for the communication stream.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .dispatcher import weighted_combine
+from .ep_dispatcher import EPDispatchMeta
+
+__all__ = ["chunk_tables", "overlapped_experts"]
+
+
+class _Pending:
+    """The work handle of one in-flight exchange, handed from _Issue to _Wait (and back in
+    backward). One per exchange, created by the caller: no state outlives the step."""
+    __slots__ = ("work", "name", "timeline", "grad_in")
+
+    def __init__(self, name, timeline):
+        self.work, self.name, self.timeline = None, name, timeline
+        self.grad_in = None   # backward: the input's gradient the reverse exchange fills
+
+    def issue(self, out, x, out_splits, in_splits, group, name):
+        self.work = dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits),
+                                           group=group, async_op=True)
+        if self.timeline is not None:
+            self.timeline.issued(name)
+
+    def wait(self, name):
+        span = contextlib.nullcontext() if self.timeline is None else self.timeline.span("wait", name)
+        with span:
+            self.work.wait()
+        self.work = None
+
+
+class _Issue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, pending, out_splits, in_splits, group):
+        ctx.pending, ctx.rows_in = pending, x_ND.shape[0]
+        out = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
+        pending.issue(out, x_ND, out_splits, in_splits, group, pending.name)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_out):   # the tensor _Wait's backward is sending
+        pending = ctx.pending
+        pending.wait(pending.name + " bwd")   # the reverse exchange _Wait issued
+        grad_in, pending.grad_in = pending.grad_in, None
+        return grad_in, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, pending, out_splits, in_splits, group):
+        ctx.pending, ctx.splits, ctx.group = pending, (out_splits, in_splits), group
+        pending.wait(pending.name)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad = grad.contiguous()
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        ctx.pending.issue(back, grad, in_splits, out_splits, ctx.group, ctx.pending.name + " bwd")
+        ctx.pending.grad_in = back   # _Issue's backward waits, then returns it
+        return grad, None, None, None, None
+
+
+def _start(x_ND, out_splits, in_splits, group, name, timeline):
+    pending = _Pending(name, timeline)
+    return _Issue.apply(x_ND, pending, tuple(out_splits), tuple(in_splits), group), pending
+
+
+def _finish(started, out_splits, in_splits, group):
+    out, pending = started
+    return _Wait.apply(out, pending, tuple(out_splits), tuple(in_splits), group)
+
+
+def chunk_tables(table_PPW: torch.Tensor, degree: int) -> list:
+    """d tables summing to table_PPW: chunk c gets rows [n*c//d, n*(c+1)//d) of each block."""
+    return [table_PPW * (c + 1) // degree - table_PPW * c // degree for c in range(degree)]
+
+
+def _send_rows(table_PPW: torch.Tensor, rank: int, degree: int, c: int) -> torch.Tensor:
+    """long [rows of chunk c]: their positions in this rank's send buffer (blocks in
+    (destination, slot) order, chunk c's piece of each)."""
+    n = table_PPW[rank].reshape(-1)
+    block_start = torch.cumsum(n, 0) - n
+    lo, cnt = n * c // degree, n * (c + 1) // degree - n * c // degree
+    out_start = torch.cumsum(cnt, 0) - cnt
+    total = int(cnt.sum())
+    shift = torch.repeat_interleave(block_start + lo - out_start, cnt, output_size=total)
+    return torch.arange(total) + shift
+
+
+def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_dtype,
+                       in_flight=None, timeline=None):
+    """-> (y_TD, meta, in_flight()'s result): the routed experts' combined output for x_TD, the dispatch cut into
+    `degree` chunks whose exchanges overlap the experts of the previous chunk.
+
+    run_experts(x_ND, counts_L, extend) -> y_ND computes rows already grouped by local slot
+    (extend: ExpertBank.forward's; replica weights are fetched once, by the first chunk).
+    in_flight() runs while the first dispatch is in flight (the layer's shared experts) and
+    its result is returned third. timeline: a moe/profiling/timeline.py Timeline, or None."""
+    sp = dispatcher.plan(x_TD, routing)
+    group, r = dispatcher.group, dispatcher.rank
+    tables = chunk_tables(sp.table_PPW, degree)
+    plans = [dispatcher.exchange_plan(t, sp.placement) for t in tables]
+    rows = [_send_rows(sp.table_PPW, r, degree, c).to(x_TD.device) for c in range(degree)]
+    total = lambda field: tuple(map(sum, zip(*(getattr(p, field) for p in plans))))  # noqa: E731
+    meta = EPDispatchMeta(sp.local, total("send_splits"), total("recv_splits"), None,
+                          total("counts_L"), sp.placement)
+    fetched = []   # replica weights, fetched once (first chunk) and shared by all chunks
+
+    def extend(weights):
+        if not fetched:
+            fetched.append(dispatcher.expert_weights(weights, meta))
+        return fetched[0]
+
+    def issue(c):
+        ex = plans[c]
+        return _start(sp.x_AD.index_select(0, rows[c]), ex.recv_splits, ex.send_splits, group,
+                      f"dispatch {c}", timeline)
+
+    flying, extra = {0: issue(0)}, None
+    if in_flight is not None:
+        extra = _span(timeline, "shared experts", in_flight)
+    returning = []
+    for c in range(degree):
+        if c + 1 < degree:
+            flying[c + 1] = issue(c + 1)
+        ex = plans[c]
+        x_ND = _finish(flying.pop(c), ex.recv_splits, ex.send_splits, group)
+        perm, unperm = ex.perm_N.to(x_ND.device), ex.unperm_N.to(x_ND.device)
+        y_ND = _span(timeline, f"experts {c}", lambda: run_experts(x_ND[perm], list(ex.counts_L), extend))
+        returning.append(_start(y_ND[unperm], ex.send_splits, ex.recv_splits, group,
+                                f"combine {c}", timeline))
+    y_parts = [_finish(returning[c], plans[c].send_splits, plans[c].recv_splits, group)
+               for c in range(degree)]
+    order_A = torch.cat(rows)
+    inverse_A = torch.empty_like(order_A)
+    inverse_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
+    y_AD = torch.cat(y_parts)[inverse_A] if degree > 1 else y_parts[0]
+    return weighted_combine(y_AD, sp.local, out_dtype), meta, extra
+
+
+def _span(timeline, name, fn):
+    if timeline is None:
+        return fn()
+    with timeline.span("compute", name):
+        return fn()
