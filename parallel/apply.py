@@ -127,7 +127,7 @@ def _apply_data_parallel(model, par) -> None:
         apply_fsdp(model, meshes, _blocks(model), roots, comm_label=par.comm_label)
         if plan.offload == "optimizer":
             from .offload import HostMasters
-            par.zero = HostMasters(model)
+            par.zero = HostMasters(model, _blocks(model), plan.zero_prefetch)
         return
     buckets = reduction_buckets(model, meshes, param_kinds(model))
     if plan.zero in (1, 2):

@@ -11,7 +11,16 @@ live on the host; the training device keeps the parameters the forward uses.
 
 The host buffers are always separate tensors from the training-device ones, so on a machine
 whose training device is the CPU (this one) the same code path runs: placement is asserted on
-the host buffers, and on CUDA they are pinned and the copies non-blocking. The step of an
+the host buffers, and on CUDA they are pinned and the copies non-blocking.
+
+Overlap (zero 3, offload=optimizer): the updated masters go back to the device on a side
+stream, FSDP unit by unit in forward order, each unit's copies followed by an event; a
+forward pre-hook on every unit makes the compute stream wait only for the events of the
+units FSDP may gather from there (itself and the next `window`), so block 0 computes while
+the later blocks' parameters are still crossing PCIe. On CPU there is no stream: the copies
+run inline and the hooks have nothing to wait for. The device->host gradient copies are
+issued all together after backward (non-blocking, one wait): FSDP2 offers no public point at
+which one unit's reduce-scattered gradient is final before the backward ends. The step of an
 optimizer class that has a fused CPU kernel (Adam, AdamW) uses it (`same_optimizer`).
 """
 import inspect
@@ -72,12 +81,27 @@ class HostMasters:
     """
     stage, host = 3, True
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, blocks=(), prefetch: int = 0):
         """Masters shaped like the local shards; refresh_from_params fills them (parallelize
         calls it after the weights are initialised: the model may still be on the meta device
-        here, and then the masters are allocated there)."""
+        here, and then the masters are allocated there). blocks: the FSDP2 blocks (parallel/apply.py
+_blocks), prefetch: parallel.zero_prefetch; they size the wait window of each unit."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shard_of = {id(p): torch.nn.Parameter(like_param(host_empty_like(local(p)), p)) for p in self.params}
+        self.units = fsdp_units(model)           # [(module, [params])] in forward order
+        self.window = unit_window(blocks, prefetch)
+        self.copy_stream = torch.cuda.Stream() if pinning() else None
+        self.ready = {}                          # unit index -> event of its refresh copies
+        for i, (module, _) in enumerate(self.units):
+            module.register_forward_pre_hook(self._wait_hook(i), prepend=True)
+
+    def _wait_hook(self, i: int):
+        def wait(_module, _args):
+            for j in range(i, min(i + self.window + 1, len(self.units))):
+                event = self.ready.pop(j, None)
+                if event is not None:
+                    torch.cuda.current_stream().wait_event(event)
+        return wait
 
     def before_step(self) -> None:
         for p in self.params:
@@ -87,9 +111,16 @@ class HostMasters:
         wait_for_copies()
 
     def after_step(self) -> None:
+        """Masters -> device shards, unit by unit in forward order (side stream on CUDA)."""
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
-            for p in self.params:
-                local(p).copy_(local(self.shard_of[id(p)]), non_blocking=pinning())
+            for i, (_, params) in enumerate(self.units):
+                with _on(self.copy_stream):
+                    for p in params:
+                        local(p).copy_(local(self.shard_of[id(p)]), non_blocking=pinning())
+                    if self.copy_stream is not None:
+                        self.ready[i] = self.copy_stream.record_event()
 
     def refresh_from_params(self) -> None:
         """Copy the parameters into the masters (allocating them on the host first if they
@@ -132,6 +163,35 @@ class HostMasters:
         for p in self.params:
             p.grad = torch.zeros_like(p)  # before_step moves them to the masters
         step_at_zero_lr(optimizer)
+
+
+def _on(stream):
+    import contextlib
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def fsdp_units(model) -> list:
+    """[(FSDP2 module, the trainable parameters it owns)] in module order (= forward order for
+    the blocks; an MoE layer's expert and router units sit just after their block's own)."""
+    from torch.distributed.fsdp import FSDPModule
+    out, seen = [], set()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in reversed(modules):   # innermost first, so each parameter goes to its owner
+        own = [p for p in m.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        out.append((m, own))
+    out.reverse()
+    return [(m, ps) for m, ps in out if ps]
+
+
+def unit_window(blocks, prefetch: int) -> int:
+    """How many later units FSDP2 may gather before a unit's own forward pre-hook: the units
+    of max(1, prefetch) blocks (implicit or explicit prefetch) plus the unit's own nested
+    ones. Waiting for more than needed is safe; it only hides less."""
+    from torch.distributed.fsdp import FSDPModule
+    per_block = max((sum(isinstance(m, FSDPModule) for m in b.modules())
+                     for b in blocks), default=1)
+    return (max(1, prefetch) + 1) * per_block
 
 
 def step_at_zero_lr(optimizer) -> None:

@@ -10,7 +10,8 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state
 from .schedule import bubble_fraction
 from .comm import micro_count
-from .step_time import comm_seconds, host_seconds, stage_seconds, wire_bytes
+from .step_time import (comm_seconds, hideable_seconds, host_seconds, stage_seconds,
+                        stage_seconds_min, wire_bytes)
 
 
 @dataclass
@@ -26,6 +27,7 @@ class StagePrediction:
     flops: float
     comm_s: dict
     step_s: float
+    step_s_min: float = 0.0    # lower bound: overlappable communication hidden (step_time.py)
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Prediction:
     stages: list = field(default_factory=list)
     bubble: float = 0.0
     step_s: float = 0.0
+    step_s_min: float = 0.0
     tokens_per_s: float = 0.0
     peak_bytes: int = 0
     fits: bool = True
@@ -80,6 +83,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     """Predict a validated plan; raises what parallelize raises for a layout it cannot build."""
     out = Prediction(plan, bubble=bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches,
                                                    plan.stages_per_rank))
+    d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
         acts = activations(w, plan, state, stage)
@@ -92,8 +96,10 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
             flops, comm_s,
-            stage_seconds(flops, comm_s, out.bubble, hw)))
+            stage_seconds(flops, comm_s, out.bubble, hw),
+            stage_seconds_min(flops, comm_s, out.bubble, hw, hideable_seconds(comm_s, plan, d))))
     out.step_s = max(s.step_s for s in out.stages)
+    out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())
     out.tokens_per_s = tokens / out.step_s if out.step_s > 0 else float("inf")
     out.peak_bytes = max(s.memory["peak"] for s in out.stages)

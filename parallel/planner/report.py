@@ -55,14 +55,15 @@ def text(result: dict, top: int, hw) -> str:
     lines = [f"{len(result['fits'])} layouts fit in {hw.gpu_mem_gb:g} GB, "
              f"{len(result['too_big'])} overflow it, {len(result['invalid'])} are refused.", ""]
     head = (f"{'#':>3} {'layout':<44} {'peak GB':>8} {'p/g/opt GB (rank 0)':>20} {'act GB':>7} "
-            f"{'comm MB':>9} {'bubble':>6} {'step ms':>9} {'tok/s':>10}")
+            f"{'comm MB':>9} {'bubble':>6} {'step ms':>9} {'min ms':>8} {'tok/s':>10}")
     lines += ["fits (fastest first):", head]
     for i, p in enumerate(result["fits"][:top], 1):
         s = p.rank0()
         comm = max((sum(st.comm_bytes.values()) for st in p.stages), default=0)
         lines.append(f"{i:>3} {layout_name(p.plan):<44} {p.peak_bytes / GB:>8.2f} {_state_gb(s):>20} "
                      f"{max(st.activation_bytes for st in p.stages) / GB:>7.2f} {comm / MB:>9.1f} "
-                     f"{p.bubble:>6.2f} {p.step_s * 1e3:>9.4g} {p.tokens_per_s:>10.4g}")
+                     f"{p.bubble:>6.2f} {p.step_s * 1e3:>9.4g} {p.step_s_min * 1e3:>8.4g} "
+                     f"{p.tokens_per_s:>10.4g}")
     if len(result["fits"]) > top:
         lines.append(f"    ... {len(result['fits']) - top} more (--top N, or --json for all)")
     if result["fits"]:
@@ -86,20 +87,21 @@ def text(result: dict, top: int, hw) -> str:
 def _plan_dict(plan) -> dict:
     keys = ("dp", "tp", "pp", "ep", "zero", "recompute", "pp_schedule", "microbatches",
             "pp_stages_per_rank", "precision", "offload", "zeropp_quantize_weights",
-            "zeropp_quantize_grads", "zeropp_hpz")
+            "zeropp_quantize_grads", "zeropp_hpz", "zero_prefetch")
     return {k: getattr(plan, k) for k in keys}
 
 
 def _pred_dict(p) -> dict:
     return {"layout": _plan_dict(p.plan), "fits": p.fits, "reason": p.reason,
             "peak_bytes": p.peak_bytes, "bubble": p.bubble, "step_s": p.step_s,
+            "step_s_min": p.step_s_min,
             "tokens_per_s": p.tokens_per_s,
             "ranks": [{"rank": s.rank, "model_state_bytes": s.model_state,
                        "activation_bytes": s.activation_bytes,
                        "activation_bytes_per_microbatch": s.activation_per_microbatch,
                        "in_flight_microbatches": s.in_flight, "memory_bytes": s.memory,
                        "comm_bytes": s.comm_bytes, "wire_bytes": s.wire_bytes, "flops": s.flops, "comm_s": s.comm_s,
-                       "step_s": s.step_s} for s in p.stages]}
+                       "step_s": s.step_s, "step_s_min": s.step_s_min} for s in p.stages]}
 
 
 def as_json(result: dict, world: int, hw) -> dict:

@@ -1,4 +1,5 @@
-"""Step time from FLOPs and bandwidths (no overlap of communication with compute).
+"""Step time from FLOPs and bandwidths: an upper bound (nothing overlaps) and a lower bound
+(what this toolkit overlaps hides perfectly behind compute).
 
   t_compute  = rank FLOPs / (--flops, the achievable dense TFLOP/s of one GPU)
   t_x        = wire bytes of collective x / bandwidth of its group, where a group within one
@@ -18,8 +19,19 @@
                depth sums, other) + t_host
   step time  = the slowest pipeline stage; throughput = global tokens / step time
 The micro-batch work is stretched by the pipeline bubble; the data-parallel reductions run
-once per step after it. Real systems overlap some communication: this is an upper bound on
-time for a given FLOP rate, meant for ranking layouts, not a measurement.
+once per step after it. That is the upper bound (step_s), used to rank layouts.
+
+Lower bound (step_s_min): what runs beside compute in this toolkit may hide behind it --
+  expert all-to-all     with moe.a2a_overlap_degree = d > 1, all but 1/d of it (the first
+                        dispatch and the last combine of each layer stay exposed)
+  ZeRO-3 gathers and    FSDP2 issues them on its own streams, the next unit's (or with
+  reduce-scatters       parallel.zero_prefetch the next n blocks') while this one computes
+  offload host copies   zero 3 + offload=optimizer: the parameter refresh (half the copies)
+                        runs on a side stream, each unit waiting only for its own
+  stage_min = max(t_compute, hidden) / (1 - bubble) + the exposed rest
+Tensor-parallel collectives, pipeline send/recv, ZeRO-0/1/2 gradient reductions (issued
+after backward), the gradient-norm all-reduce and offload's gradient copies stay exposed.
+The truth on a GPU lies between the two bounds; neither is a measurement.
 """
 from dataclasses import dataclass
 
@@ -69,6 +81,29 @@ def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware) -> fl
     inside = flops / (hw.tflops * 1e12) + sum(v for k, v in comm_s.items() if k in INSIDE_STEP)
     after = sum(v for k, v in comm_s.items() if k not in INSIDE_STEP)
     return inside / (1.0 - bubble) + after
+
+
+def hideable_seconds(comm_s: dict, plan, overlap_degree: int) -> dict:
+    """{kind: seconds of it that can run under compute} (see the lower bound above)."""
+    out = {}
+    if overlap_degree > 1 and "expert_all_to_all" in comm_s:
+        out["expert_all_to_all"] = comm_s["expert_all_to_all"] * (1 - 1 / overlap_degree)
+    if plan.zero == 3:
+        for kind in ("zero_param_gather", "zero_grad_reduce_scatter"):
+            if kind in comm_s:
+                out[kind] = comm_s[kind]
+        if plan.offload == "optimizer" and "host_offload" in comm_s:
+            out["host_offload"] = comm_s["host_offload"] / 2
+    return out
+
+
+def stage_seconds_min(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidden: dict) -> float:
+    """The lower bound: the hideable seconds run under compute; the rest as in stage_seconds."""
+    exposed = {k: v - hidden.get(k, 0.0) for k, v in comm_s.items()}
+    t_compute = flops / (hw.tflops * 1e12)
+    inside = sum(v for k, v in exposed.items() if k in INSIDE_STEP)
+    after = sum(v for k, v in exposed.items() if k not in INSIDE_STEP)
+    return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) + after
 
 
 def host_seconds(plan, state, microbatches: int, hw: Hardware) -> float:

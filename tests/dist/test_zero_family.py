@@ -63,6 +63,9 @@ def _worker(rank, world, layouts, env):
             if step == 0:
                 seen["placement"] = _placement(par, opt)
                 seen["prefetch"] = _prefetch_lists(par.model)
+                if hasattr(par.zero, "units"):   # offload: the refresh copies cover every param once
+                    ids = [id(p) for _, ps in par.zero.units for p in ps]
+                    seen["units_cover"] = sorted(ids) == sorted(id(p) for p in par.zero.params)
         out[name] = {"losses": dc.train_layout(world, spec, *dc.configs(), inspect=inspect), **seen}
     return out
 
@@ -122,11 +125,14 @@ def test_world4_hpz_keeps_backward_gathers_in_the_node_and_prefetch():
     layouts = [("zero3", dict(dp=4, zero=3)), ("hpz2", dict(dp=4, zero=3, zeropp_hpz=2)),
                ("prefetch2", dict(dp=4, zero=3, zero_prefetch=2)),
                ("ep2_zero3", dict(dp=4, ep=2, zero=3)),
-               ("ep2_prefetch2", dict(dp=4, ep=2, zero=3, zero_prefetch=2))]
+               ("ep2_prefetch2", dict(dp=4, ep=2, zero=3, zero_prefetch=2)),
+               ("ep2_prefetch2_off", dict(dp=4, ep=2, zero=3, zero_prefetch=2, offload="optimizer"))]
     ref = dc.reference_run(*dc.configs())
     for rank_out in run_distributed(_worker, 4, layouts, {"LOCAL_WORLD_SIZE": "2"}, timeout=300):
         base, hpz = rank_out["zero3"], rank_out["hpz2"]
-        for name, plain in (("prefetch2", "zero3"), ("ep2_prefetch2", "ep2_zero3")):
+        assert rank_out["ep2_prefetch2_off"]["units_cover"]
+        for name, plain in (("prefetch2", "zero3"), ("ep2_prefetch2", "ep2_zero3"),
+                            ("ep2_prefetch2_off", "ep2_zero3")):
             got = rank_out[name]
             assert _close([l for l, _ in got["losses"]], [l for l, _ in ref], ATOL, RTOL), name
             assert got["comm"] == rank_out[plain]["comm"], (name, got["comm"], rank_out[plain]["comm"])

@@ -94,3 +94,31 @@ def test_state_cache_keeps_v_and_looped_placements_apart():
     shared = StateCache(w.build_model)
     peaks("interleaved_1f1b", shared)
     assert peaks("zbv", shared) == alone
+
+
+def test_overlap_lower_bound():
+    """step_s_min <= step_s always; the expert all-to-all's hidden share follows
+    moe.a2a_overlap_degree (d=4 hides 3/4 of it, so the bound drops by that much when compute
+    covers it) and ZeRO-3's gathers hide under compute; dp=2 ZeRO-0 hides nothing."""
+    from trainer.config import load_config
+    from parallel.planner import Hardware, StateCache, predict
+    from parallel.planner.__main__ import workload_from_config
+    from parallel.planner.flops import model_costs
+    from parallel.planner.step_time import hideable_seconds
+
+    def pred(*over):
+        cfg = load_config(None, list(over))
+        w = workload_from_config(cfg)
+        return predict(w, w.validate(cfg.parallel, 2), Hardware(tflops=1.0), model_costs(w.build_model(), w),
+                       StateCache(w.build_model))
+    plain = pred("parallel.ep=2")
+    chunked = pred("parallel.ep=2", "moe.a2a_overlap_degree=4")
+    assert plain.step_s == chunked.step_s and plain.step_s_min == plain.step_s
+    a2a = chunked.rank0().comm_s["expert_all_to_all"]
+    assert a2a > 0 and chunked.step_s_min == pytest.approx(chunked.step_s - 0.75 * a2a, rel=1e-9)
+    zero3 = pred("parallel.zero=3")
+    hidden = hideable_seconds(zero3.rank0().comm_s, zero3.plan, 1)
+    assert set(hidden) == {"zero_param_gather", "zero_grad_reduce_scatter"}
+    assert zero3.step_s_min == pytest.approx(zero3.step_s - sum(hidden.values()), rel=1e-9)
+    dp = pred("parallel.dp=2")
+    assert dp.step_s_min == dp.step_s
