@@ -12,6 +12,11 @@ dispatcher), so the caller need not know the counts on the host.
 What `torch._grouped_mm` needs (torch 2.13, checked on CPU): fp32/bf16/fp16 operands (not
 fp64), int32 offsets, and every stride a multiple of 16 bytes, i.e. D and F multiples of 4
 (fp32) or 8 (bf16/fp16). `unsupported_reason` says which of these fails.
+On CUDA (torch's support matrix, not yet measured here): the CUTLASS fast path, with no host
+sync, takes bf16 on compute capability >= 9.0; fp32/fp16, and bf16 on 8.x, take torch's
+fallback (a loop over groups that copies the offsets to the host); below 8.0 there is no
+path. So "auto" on CUDA picks grouped_mm for bf16 on >= 9.0 and the loop otherwise, and an
+explicit grouped_mm below 8.0 fails with one line.
 """
 import torch
 
@@ -32,7 +37,8 @@ GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # So on CPU the loop wins at >= 64 rows per expert and grouped_mm at <= 32 (E >= 128 here):
 # "auto" keeps "loop" on CPU (per device and dtype it cannot see the rows per expert; a
 # size-aware rule is a follow-up); pass experts_impl="grouped_mm" for many small experts.
-# CUDA is not measured (no GPU here): "loop" until it is.
+# CUDA is not measured (no GPU here): the fast-path rule below (_cuda_fast_path) is torch's
+# documented support, tests/gpu/test_moe_layer_cuda.py checks it runs and matches CPU.
 AUTO_IMPL = {}
 
 
@@ -48,7 +54,19 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, d_model: int, d
     if bad:
         return (f"{', '.join(bad)} in {dtype}: grouped_mm needs rows of a multiple of 16 "
                 f"bytes")
+    if device.type == "cuda" and _capability(device) < (8, 0):
+        major, minor = _capability(device)
+        return f"CUDA compute capability {major}.{minor} (grouped_mm needs >= 8.0)"
     return None
+
+
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
+
+
+def _cuda_fast_path(device: torch.device, dtype: torch.dtype) -> bool:
+    """bf16 on compute capability >= 9.0: the CUTLASS grouped GEMM (no host sync)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and _capability(device) >= (9, 0)
 
 
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, d_model: int, d_ff: int) -> str:
@@ -63,6 +81,8 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, d_model: i
         return "grouped_mm"
     if reason:
         return "loop"
+    if _cuda_fast_path(device, dtype):
+        return "grouped_mm"
     return AUTO_IMPL.get((device.type, dtype), "loop")
 
 

@@ -84,7 +84,7 @@ class Adafactor(torch.optim.Optimizer):
         t = st["step"].item()
         lr = float(group["lr"])
         if group["relative_step"]:
-            alpha = max(eps2, _rms(x, p, shards)) * min(lr, 1 / math.sqrt(t))
+            alpha = _rms(x, p, shards).clamp(min=eps2) * min(lr, 1 / math.sqrt(t))
         else:
             alpha = lr
         if group["weight_decay"]:
@@ -102,8 +102,10 @@ class Adafactor(torch.optim.Optimizer):
             variance.lerp_(g * g, one_minus_beta2)
             var = variance.clone()
         update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
-        denom = max(1.0, _rms(update, p, shards) / group["d"])
-        x.add_(update, alpha=-alpha / denom)
+        denom = (_rms(update, p, shards) / group["d"]).clamp(min=1.0)
+        # tensors on the device, not floats: no host sync per parameter (the step count is
+        # a host tensor, so t above costs none either)
+        x.sub_(update.mul_((alpha / denom).to(update.dtype)))
 
 
 def _local(t):
@@ -123,11 +125,12 @@ def _mean(t, dim: int, p, shards: dict) -> torch.Tensor:
     return _all_reduce(s, shards.get(d, [])).div_(p.shape[d])
 
 
-def _rms(t, p, shards: dict) -> float:
-    """Root mean square of the whole (unsharded) tensor whose local piece is t."""
+def _rms(t, p, shards: dict) -> torch.Tensor:
+    """Root mean square (fp32 0-dim tensor on t's device) of the whole (unsharded) tensor
+    whose local piece is t."""
     sq = t.float().pow(2).sum().reshape(1)
     groups = [grp for gs in shards.values() for grp in gs]
-    return math.sqrt(_all_reduce(sq, groups).item() / p.numel())
+    return (_all_reduce(sq, groups)[0] / p.numel()).sqrt()
 
 
 def _zeros_reduced(p, dim: int):

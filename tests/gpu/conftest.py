@@ -1,0 +1,16 @@
+"""tests/gpu: the CUDA tier. Every test here is skipped, with the reason, where
+torch.cuda.is_available() is false (CI and the project's CPU machine): a skip is never a
+pass. Run it on a GPU machine with `python -m pytest tests/gpu -q -rs`."""
+import pytest
+import torch
+
+REASON = "no CUDA device: the GPU tier runs only where torch.cuda.is_available()"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=REASON)
+    for item in items:
+        if "tests/gpu/" in str(item.path).replace("\\", "/"):
+            item.add_marker(skip)
