@@ -121,6 +121,8 @@ def _tied_embedding(model, meshes):
 
 def _apply_data_parallel(model, par) -> None:
     plan, meshes = par.plan, par.meshes
+    if plan.ps_servers:  # the parameter server sums gradients (parallel/param_server): no hooks
+        return
     if plan.zero == 3:
         from .fsdp import apply_fsdp
         roots = par.pipeline.chunks if par.pipeline is not None else None

@@ -31,7 +31,7 @@ def _toml(v) -> str:
 
 
 # settings the start-up layout line shows when they differ from the default
-_SHOWN_IF_SET = ("recompute", "compile", "offload", "zero_prefetch", "zeropp_quantize_weights", "zeropp_hpz",
+_SHOWN_IF_SET = ("recompute", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
                  "zeropp_quantize_grads")
 
 
@@ -53,6 +53,8 @@ class ParallelPlan:
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
     zero_prefetch: int = field(default=0, metadata={"help": "zero 3: explicit FSDP2 prefetch, all-gather the next n blocks' parameters while this one computes (forward) and the previous n (backward); costs n more unsharded blocks of memory; 0 = FSDP2's implicit one-ahead"})
+    ps_servers: int = field(default=0, metadata={"help": "parameter-server layout: S shards of the parameters and optimizer state on ranks 0..S-1 (each rank also a worker), push/pull over torch.distributed.rpc instead of all-reduce; 0 = off"})
+    ps_staleness: int = field(default=0, metadata={"help": "parameter server: 0 = bulk-synchronous (= one process); s > 0 = bounded delay, a worker may run at most s steps ahead of the slowest"})
     zeropp_quantize_weights: bool = field(default=False, metadata={"help": "ZeRO++ qwZ: zero-3 parameter all-gathers in block-quantized int8 (zero 3)"})
     zeropp_hpz: int = field(default=0, metadata={"help": "ZeRO++ hpZ: ranks per node; after forward keep a secondary parameter shard over that many consecutive dp ranks so backward gathers stay in the node (zero 3; 0 = off)"})
     zeropp_quantize_grads: bool = field(default=False, metadata={"help": "ZeRO++ qgZ: gradient reduce-scatter as an all-to-all of block-quantized int8 (zero 2, 3)"})
@@ -117,6 +119,7 @@ class ParallelPlan:
         _check_tp_mode(plan)
         _check_zero_family(plan)
         _check_prefetch(plan)
+        _check_ps(plan)
         _check_2bw(plan)
         if _has_moe(moe_cfg):
             _check_replicas(plan, moe_cfg)
@@ -297,6 +300,34 @@ def _check_zero_family(p: ParallelPlan) -> None:
                    f"schedules compute weight gradients after FSDP2 has reduce-scattered the "
                    f"stage's gradients, so those are lost (measured); use parallel.zero=1 or 2, or "
                    f"pp_schedule=1f1b / interleaved_1f1b with zero 3")
+
+
+def _check_ps(p: ParallelPlan) -> None:
+    S, s = p.ps_servers, p.ps_staleness
+    for name, v in (("ps_servers", S), ("ps_staleness", s)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise _err(f"parallel.{name}={v!r} must be an integer >= 0")
+    if s and not S:
+        raise _err(f"parallel.ps_staleness={s} needs the parameter-server layout; set "
+                   f"parallel.ps_servers >= 1 or ps_staleness=0")
+    if not S:
+        return
+    if S > p.world:
+        raise _err(f"parallel.ps_servers={S} exceeds the {p.world} ranks (every server shard "
+                   f"lives on a rank that is also a worker); use at most {p.world}")
+    for name, value, ok in (("tp", p.tp, 1), ("pp", p.pp, 1), ("ep", p.ep, 1), ("etp", p.etp, 1),
+                            ("zero", p.zero, 0)):
+        if value != ok:
+            raise _err(f"parallel.ps_servers={S} with parallel.{name}={value}: the parameter "
+                       f"server replaces data-parallel all-reduce and keeps whole replicas on "
+                       f"the workers; set parallel.{name}={ok} or ps_servers=0")
+    for bad, fix in ((p.offload != "none", "parallel.offload=none (the servers already hold the "
+                      "optimizer in host memory)"),
+                     (p.precision == "fp16", "parallel.precision=fp32 or bf16 (fp16 loss scaling "
+                      "needs every rank to agree on overflow each step)"),
+                     (p.compile, "parallel.compile=false")):
+        if bad:
+            raise _err(f"parallel.ps_servers={S}: not served with this setting; set {fix}")
 
 
 def _check_prefetch(p: ParallelPlan) -> None:

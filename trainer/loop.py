@@ -164,15 +164,36 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     if ctx.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
-    with StopRequest() as stop_request, contextlib.closing(log):
+    with StopRequest() as stop_request, contextlib.closing(log), \
+            _parameter_server(cfg, ctx, plan, par, optimizer, start + 1) as ps:
         _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device),
-                          first_step=start + 1, stop_request=stop_request)
+                          first_step=start + 1, stop_request=stop_request, ps=ps)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)
     return 0
+
+
+@contextlib.contextmanager
+def _parameter_server(cfg, ctx, plan, par, optimizer, first_step: int):
+    """parallel.ps_servers > 0: host this rank's shard, start RPC, yield the worker's client
+    (started from the model and optimizer as they are: fresh, or loaded from a checkpoint);
+    None otherwise."""
+    if not plan.ps_servers:
+        yield None
+        return
+    from parallel import param_server
+    client = param_server.start(par.model, optimizer, plan.ps_servers, plan.ps_staleness,
+                                ctx.rank, ctx.world_size, param_server.default_init_method(),
+                                per_expert=cfg.train.optimizer != "adafactor", first_step=first_step)
+    try:
+        yield client
+    except BaseException:
+        param_server.stop(ctx.rank, plan.ps_servers, graceful=False)
+        raise
+    param_server.stop(ctx.rank, plan.ps_servers)
 
 
 def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> None:
@@ -198,7 +219,7 @@ class Trainer:
     """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
-                 first_step: int, stop_request=None):
+                 first_step: int, stop_request=None, ps=None):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
@@ -207,6 +228,7 @@ class Trainer:
         self.stop_request = stop_request  # SIGTERM seen by this process
         self.in_a_row = 0  # consecutive steps skipped as non-finite
         self.last_saved = None
+        self.ps = ps  # parallel.param_server.PSClient under parallel.ps_servers > 0
 
     def step(self, n: int) -> None:
         """Train step n, log it, then whatever is due after it (evaluation, MoE statistics,
@@ -216,7 +238,8 @@ class Trainer:
         lr = self.sched.get_last_lr()
         rec = {"step": n}
         loss, aux, stats, norm, skipped, stop = self._train_step(n, scale, rec)
-        loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
+        if self.ps is None:  # (the parameter server returns the mean over workers, or s > 0 its own)
+            loss, aux = self.par.mean_over_dp(torch.stack([loss, aux])).tolist()
         dt = time.perf_counter() - t0
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
         rec.update(loss=loss, aux_loss=aux, lr=lr, grad_norm=None if skipped else float(norm),
@@ -229,6 +252,7 @@ class Trainer:
         self._count_divergence(n, skipped == "diverged", skipped == "overflow")
         if self._due(n, self.cfg.train.eval_every, at_end=self.cfg.train.eval_every > 0) \
                 and not self.in_a_row:
+            self._settle_ps(n)
             rec["val_loss"] = self.evaluate()
         self.log.log_step(rec)
         if self.in_a_row:
@@ -238,6 +262,8 @@ class Trainer:
     def _train_step(self, n: int, scale: float, rec: dict):
         """Forward, backward, clip and optimizer step of step n, measured as configured ->
         (loss, aux, stats, norm, skipped: False | "overflow" | "diverged", stop requested)."""
+        if self.ps is not None:
+            return self._ps_step(n, rec)
         counting = self.par.recording_comm() if self.cfg.log.comm_bytes else contextlib.nullcontext()
         peak = self._peak_memory(n)
         with counting, peak or contextlib.nullcontext():
@@ -256,6 +282,27 @@ class Trainer:
             rec["peak_mem_bytes"] = peak.peak_bytes
         skipped = "overflow" if overflow else "diverged" if diverged else False
         return loss, aux, stats, norm, skipped, stop
+
+    def _ps_step(self, n: int, rec: dict):
+        """Parameter server: pull (waiting as the consistency rule says), forward, backward,
+        push; the servers step the optimizer. No collective: workers meet only at the servers."""
+        rec["ps_staleness"] = self.ps.pull(n)
+        loss, aux, stats = self._forward_backward(1.0)
+        loss, aux, norm, skipped = self.ps.push(n, self.sched.get_last_lr(), loss, aux,
+                                                self.cfg.train.grad_clip)
+        self.sched.step()
+        rec["ps_bytes"] = self.ps.take_traffic()
+        stop = self.stop_request is not None and self.stop_request.requested
+        return loss, aux, stats, norm, "diverged" if skipped else False, stop
+
+    def _settle_ps(self, n: int) -> None:
+        """Before evaluation or a checkpoint: every worker has pushed step n (a barrier), then
+        each pulls the weights after it, so all replicas hold the same values."""
+        if self.ps is None:
+            return
+        barrier(self.ctx)
+        self.ps.pull(n + 1)
+        self.ps.take_traffic()  # (counted with the step, not here)
 
     def _record_comm(self, rec: dict) -> None:
         if not self.cfg.log.comm_bytes:
@@ -398,6 +445,9 @@ class Trainer:
         plan = self.par.plan
         if self.par.pipeline is not None:
             self.par.pipeline.drain()  # 2bw: finish the backwards in flight (a no-op otherwise)
+        if self.ps is not None:  # the servers' state into this replica: an ordinary checkpoint
+            self._settle_ps(n)
+            self.ps.fetch_state(self.optimizer)
         state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
                  "config": to_dict(self.cfg),
                  "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "etp", "zero")}}
