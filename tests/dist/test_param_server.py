@@ -17,7 +17,6 @@ ps_staleness=2, 1 shard, worker 1 slowed by a stated sleep: training still lower
 and the staleness each worker saw at each pull (logged by the client) reaches 2 and never
 exceeds it.
 """
-import os
 import time
 
 import pytest
