@@ -181,8 +181,14 @@ def _collect(out, points, cfgs, K, sf) -> dict:
     routed = [r for r in rows if r["kind"] != "dense_ladder"]
     fitted = sf.fit([r["experts"] for r in routed], [r["final_val_loss"] for r in routed]) \
         if len(routed) >= 2 else None
-    return {"points": rows, "fit": fitted, "dense_law": None if law is None else
-            {"c": law[0], "alpha": law[1]}}
+    ladder_losses = {r["point"]: round(r["final_val_loss"], 4) for r in ladder}
+    if law:
+        used = [r["point"] for r in sorted(ladder, key=lambda r: r["active_params"])][:law[2]]
+        dense_law = {"c": law[0], "alpha": law[1], "points": used}
+    else:
+        dense_law = {"none": f"the dense ladder's loss does not fall with size ({ladder_losses}): "
+                             f"no multiplier"} if len(ladder) > 1 else None
+    return {"points": rows, "fit": fitted, "dense_law": dense_law}
 
 
 def _write(out, results, K, steps, sf) -> None:
@@ -205,6 +211,12 @@ def _print_table(results) -> None:
         mult = f"{r['dense_multiplier']:.2f}" if r["dense_multiplier"] else "-"
         print(f"{r['point']:<10} {r['experts']:>3} {r['total_params'] / 1e6:>8.2f} {r['active_params'] / 1e6:>9.3f} "
               f"{r['final_val_loss']:>9.4f} {r['best_val_loss']:>9.4f} {to:>12} {r['step_time_ratio']:>12.2f} {mult:>12}")
+    law = results["dense_law"]
+    if law and "none" in law:
+        print(law["none"])
+    elif law:
+        print(f"dense size law (x dense size): log L = {law['c']:.4f} + {law['alpha']:.4f} log N_active "
+              f"over {', '.join(law['points'])}")
     f = results["fit"]
     if f:
         p = f["power"]

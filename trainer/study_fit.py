@@ -7,9 +7,11 @@ fixed dense (active) size of the study:
               (E_start, E_max by grid search, a, b by least squares)
 The saturating form has two more parameters: it is reported as the better fit only when its
 AIC (n log(SSE/n) + 2k) is lower. Effective dense multiplier of a point: the dense ladder
-(the dense model at 1x, 2x, 4x FFN width) fits log L = c + alpha log N_active; a point's
+(the dense model at 1x, 2x, 4x FFN width) fits log L = c + alpha log N_active, over the
+smallest sizes up to the first one whose loss does not fall (dense_law); a point's
 loss then corresponds to N_eq = exp((log L - c) / alpha) dense active parameters, and the
-multiplier is N_eq / (the dense baseline's active parameters).
+multiplier is N_eq / (the dense baseline's active parameters). If not even the first step of
+the ladder lowers the loss, there is no law and no multiplier.
 """
 import json
 import math
@@ -89,17 +91,25 @@ def predict(fitted: dict, E: float) -> float:
 
 
 def dense_law(actives: list, losses: list):
-    """(c, alpha) of log L = c + alpha log N over the dense ladder, or None (< 2 points)."""
-    if len(actives) < 2:
+    """(c, alpha, points used) of log L = c + alpha log N over the dense ladder, smallest
+    first, up to the first size whose loss does not fall (a larger dense model the step budget
+    under-trains says nothing about size); None with fewer than 2 such points."""
+    order = sorted(zip(actives, losses))
+    used = order[:1]
+    for a, b in zip(order, order[1:]):
+        if b[1] >= a[1]:
+            break
+        used.append(b)
+    if len(used) < 2:
         return None
-    c, alpha, _ = _lstsq([math.log(n) for n in actives], [math.log(v) for v in losses])
-    return c, alpha
+    c, alpha, _ = _lstsq([math.log(n) for n, _ in used], [math.log(v) for _, v in used])
+    return c, alpha, len(used)
 
 
 def multiplier(law, loss: float, dense_active: int):
     if law is None or law[1] >= 0:   # a ladder whose loss does not fall with size: no law
         return None
-    c, alpha = law
+    c, alpha = law[0], law[1]
     return math.exp((math.log(loss) - c) / alpha) / dense_active
 
 

@@ -71,3 +71,15 @@ def test_study_refuses_bad_input_in_one_line(tmp_path):
                  check=False)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--top-k 3" in out.stderr, out.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_study_on_the_switch_encoder_decoder_top1(tmp_path, cache):
+    out_dir = tmp_path / "switch"
+    _study(["--experts", "1,2", "--top-k", "1", "--steps", "2", "--out", str(out_dir), "--dense-ladder", "",
+            *TINY, f"data.cache_dir={cache}", "model.arch=switch", "model.vocab_size=384"])
+    res = json.loads((out_dir / "study.json").read_text())
+    pts = {p["point"]: p for p in res["points"]}
+    assert set(pts) == {"E1_dense", "E2"} and res["top_k"] == 1
+    assert pts["E1_dense"]["active_params"] == pts["E2"]["active_params"] < pts["E2"]["total_params"]
+    assert (out_dir / "study.png").stat().st_size > 0
+    assert _toml(out_dir / "E2" / "config.toml")["model"]["arch"] == "switch"
