@@ -19,7 +19,6 @@ world 4, and 1d tp=8 vs 2.5d tp=8 (two stacked 2 x 2 grids) at world 8. Rank 0 r
 Formulas and measured figures: bench/README.md.
 """
 import argparse
-import dataclasses
 import os
 import sys
 

@@ -72,7 +72,7 @@ def test_a_killed_worker_stops_the_run_and_it_resumes_from_the_last_checkpoint(t
     import sys
     import time
     from tests.e2e.test_train import ROOT
-    common = TINY + [f"data.cache_dir={cache}", "train.steps=24", "checkpoint.every=5",
+    common = TINY + [f"data.cache_dir={cache}", "train.steps=12", "checkpoint.every=3",
                      "train.eval_every=0"] + PS2
     ref, run = tmp_path / "ref", tmp_path / "run"
     train(common + [f"run.dir={ref}"], tmp_path, nproc=2)
@@ -81,7 +81,7 @@ def test_a_killed_worker_stops_the_run_and_it_resumes_from_the_last_checkpoint(t
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TMPDIR=str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, t0 = run / "metrics.jsonl", time.time()
-    while time.time() - t0 < 120 and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+    while time.time() - t0 < 120 and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
         time.sleep(0.1)
     kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
     victim = sorted(int(p) for p in kids.stdout.split())[1]      # local rank 1
@@ -93,6 +93,6 @@ def test_a_killed_worker_stops_the_run_and_it_resumes_from_the_last_checkpoint(t
     assert saved, out[-2000:]
     train(common + [f"run.dir={run}", "train.resume=true"], tmp_path, nproc=2)
     want, got = losses(ref), losses(run)
-    assert sorted(got) == list(range(1, 25))
-    for step in range(1, 25):
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
         assert close(got[step], want[step], 1e-5), (step, got[step], want[step])
