@@ -9,13 +9,21 @@ boundary (parallel/ledger.py: kind expert_all_to_all), not here.
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "exchange_counts"]
+__all__ = ["all_to_all", "exchange_counts", "start_exchange"]
+
+
+def start_exchange(x_ND, out_splits, in_splits, group, async_op: bool = True):
+    """-> (out, work). async_op: the exchange is only issued, and `out` holds the received
+    rows once `work.wait()` returned (moe/overlap.py overlaps it with compute); else it is
+    done on return and work is None."""
+    out = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
+    work = dist.all_to_all_single(out, x_ND.contiguous(), list(out_splits), list(in_splits),
+                                  group=group, async_op=async_op)
+    return out, work
 
 
 def _exchange(x_ND, out_splits, in_splits, group):
-    out = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
-    dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
-    return out
+    return start_exchange(x_ND, out_splits, in_splits, group, async_op=False)[0]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -13,16 +13,16 @@ Forward, per rank:  issue dispatch 0 -> shared experts (while it flies) -> for e
 issue dispatch c+1, wait dispatch c, compute experts on c, issue combine c -> wait the
 combines -> weighted combine. Backward overlaps the same way without extra code: each
 exchange is two autograd nodes (_Issue, _Wait). _Wait's backward issues the reverse exchange
-of the gradient and returns at once; _Issue's backward waits for it and returns its result, and autograd runs the other chunks'
-expert backward in between (it runs later-created nodes first). No host sync is added: the
+of the gradient and returns at once; _Issue's backward waits for it and returns its result,
+and autograd runs the other chunks' expert backward in between (it runs later-created nodes first). No host sync is added: the
 splits are the host ints the count exchange already produced, and on CUDA `wait` only makes
 the compute stream wait for the communication stream.
 """
 import contextlib
 
 import torch
-import torch.distributed as dist
 
+from .all_to_all import start_exchange
 from .dispatcher import weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
@@ -38,11 +38,12 @@ class _Pending:
         self.work, self.name, self.timeline = None, name, timeline
         self.grad_in = None   # backward: the input's gradient the reverse exchange fills
 
-    def issue(self, out, x, out_splits, in_splits, group, name):
-        self.work = dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits),
-                                           group=group, async_op=True)
+    def issue(self, x, out_splits, in_splits, group, name):
+        """Start the exchange of x (moe/all_to_all.py); -> the buffer it fills."""
+        out, self.work = start_exchange(x, out_splits, in_splits, group)
         if self.timeline is not None:
             self.timeline.issued(name)
+        return out
 
     def wait(self, name):
         span = contextlib.nullcontext() if self.timeline is None else self.timeline.span("wait", name)
@@ -54,10 +55,8 @@ class _Pending:
 class _Issue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, pending, out_splits, in_splits, group):
-        ctx.pending, ctx.rows_in = pending, x_ND.shape[0]
-        out = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
-        pending.issue(out, x_ND, out_splits, in_splits, group, pending.name)
-        return out
+        ctx.pending = pending
+        return pending.issue(x_ND, out_splits, in_splits, group, pending.name)
 
     @staticmethod
     def backward(ctx, _grad_out):   # the tensor _Wait's backward is sending
@@ -77,10 +76,9 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        grad = grad.contiguous()
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        ctx.pending.issue(back, grad, in_splits, out_splits, ctx.group, ctx.pending.name + " bwd")
-        ctx.pending.grad_in = back   # _Issue's backward waits, then returns it
+        # _Issue's backward waits, then returns what the reverse exchange filled
+        ctx.pending.grad_in = ctx.pending.issue(grad, in_splits, out_splits, ctx.group,
+                                                ctx.pending.name + " bwd")
         return grad, None, None, None, None
 
 
