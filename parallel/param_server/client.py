@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .server import (ServerShard, host, rpc_apply, rpc_pull, rpc_push, rpc_skip, rpc_state,
-                     rpc_traffic, unhost)
+from .server import ServerShard, host, rpc_call, unhost
 from .units import assign, expert_param_names, make_units, unit_view
 
 
@@ -47,8 +46,7 @@ class PSClient:
     # ------------------------------------------------------------------ per step
     def pull(self, step: int) -> int:
         """Copy the masters into the model once step `step` may run; -> the staleness seen."""
-        futs = [rpc.rpc_async(worker_name(s), rpc_pull, args=(shard_name(s), self.rank, step))
-                for s in range(len(self.shards))]
+        futs = self._call_all("pull", self.rank, step)
         lag = 0
         with torch.no_grad():
             for s, fut in enumerate(futs):
@@ -78,11 +76,10 @@ class PSClient:
         mean_loss, mean_aux = float(replies[0][1]), float(replies[0][2])
         norm = math.sqrt(sq)
         skip = not all(math.isfinite(v) for v in (norm, mean_loss, mean_aux))
-        call = rpc_skip if skip else rpc_apply
-        args = (lambda s: (shard_name(s), step)) if skip else \
-            (lambda s: (shard_name(s), step, _clip_coef(norm, max_norm)))
-        for s, f in enumerate([rpc.rpc_async(worker_name(s), call, args=args(s))
-                               for s in range(len(self.shards))]):
+        coef = _clip_coef(norm, max_norm)
+        futs = self._call_all("skip", step) if skip else \
+            self._call_all("apply", step, coef)
+        for s, f in enumerate(futs):
             _wait(f, s, step, "apply")
         return mean_loss, mean_aux, norm, skip
 
@@ -100,8 +97,7 @@ class PSClient:
         from ..offload import step_at_zero_lr
         if not optimizer.state:
             step_at_zero_lr(optimizer)
-        futs = [rpc.rpc_async(worker_name(s), rpc_state, args=(shard_name(s),))
-                for s in range(len(self.shards))]
+        futs = self._call_all("state")
         with torch.no_grad():
             for s, fut in enumerate(futs):
                 masters, states = fut.wait()
@@ -113,8 +109,7 @@ class PSClient:
 
     def server_traffic(self) -> list:
         """[(bytes in, bytes out)] of every shard since the start."""
-        return [rpc.rpc_sync(worker_name(s), rpc_traffic, args=(shard_name(s),))
-                for s in range(len(self.shards))]
+        return [f.wait() for f in self._call_all("traffic")]
 
     # ------------------------------------------------------------------ internals
     def _local_norm(self) -> float:
@@ -143,9 +138,15 @@ class PSClient:
                 self.traffic["push"] += size
                 if u.expert >= 0:
                     self.traffic["push_expert"] += size
-            futs.append(rpc.rpc_async(worker_name(s), rpc_push,
-                                      args=(shard_name(s), self.rank, step, grads, lr, loss_aux, skip)))
+            futs.append(self._call(s, "push", self.rank, step, grads, lr, loss_aux, skip))
         return futs
+
+    def _call(self, s: int, method: str, *args):
+        """ServerShard.<method>(*args) on shard s, asynchronously -> its future."""
+        return rpc.rpc_async(worker_name(s), rpc_call, args=(shard_name(s), method, *args))
+
+    def _call_all(self, method: str, *args) -> list:
+        return [self._call(s, method, *args) for s in range(len(self.shards))]
 
 
 def _wait(fut, s: int, step: int, what: str):

@@ -192,33 +192,14 @@ def _state_piece(v, param, unit):
     return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
 
 
-# ---------------------------------------------------------------------- rpc functions
-# torch.distributed.rpc runs these in the shard's process (async: they return its futures)
-@rpc.functions.async_execution
-def rpc_push(shard: str, *args):
-    return _HOSTED[shard].push(*args)
+# ---------------------------------------------------------------------- rpc entry point
+RPC_METHODS = frozenset({"push", "apply", "skip", "pull", "state", "traffic"})
 
 
 @rpc.functions.async_execution
-def rpc_apply(shard: str, *args):
-    return _HOSTED[shard].apply(*args)
-
-
-@rpc.functions.async_execution
-def rpc_skip(shard: str, *args):
-    return _HOSTED[shard].skip(*args)
-
-
-@rpc.functions.async_execution
-def rpc_pull(shard: str, *args):
-    return _HOSTED[shard].pull(*args)
-
-
-@rpc.functions.async_execution
-def rpc_state(shard: str):
-    return _HOSTED[shard].state()
-
-
-@rpc.functions.async_execution
-def rpc_traffic(shard: str):
-    return _HOSTED[shard].traffic()
+def rpc_call(shard: str, method: str, *args):
+    """What workers call over torch.distributed.rpc: ServerShard.<method>(*args) of the shard
+    this process hosts (each returns a future, completed when its consistency rule allows)."""
+    if method not in RPC_METHODS:
+        raise ValueError(f"parameter server: no method {method!r} (one of {sorted(RPC_METHODS)})")
+    return getattr(_HOSTED[shard], method)(*args)
