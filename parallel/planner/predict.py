@@ -10,8 +10,7 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state
 from .schedule import bubble_fraction
 from .comm import micro_count
-from .step_time import (comm_seconds, hideable_seconds, host_seconds, stage_seconds,
-                        stage_seconds_min, wire_bytes)
+from .step_time import comm_seconds, hideable_seconds, host_seconds, stage_seconds, wire_bytes
 
 
 @dataclass
@@ -97,7 +96,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
             flops, comm_s,
             stage_seconds(flops, comm_s, out.bubble, hw),
-            stage_seconds_min(flops, comm_s, out.bubble, hw, hideable_seconds(comm_s, plan, d))))
+            stage_seconds(flops, comm_s, out.bubble, hw, hideable_seconds(comm_s, plan, d))))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

@@ -77,10 +77,15 @@ def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
     return out
 
 
-def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware) -> float:
-    inside = flops / (hw.tflops * 1e12) + sum(v for k, v in comm_s.items() if k in INSIDE_STEP)
-    after = sum(v for k, v in comm_s.items() if k not in INSIDE_STEP)
-    return inside / (1.0 - bubble) + after
+def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidden=None) -> float:
+    """One stage's step time; hidden ({kind: seconds}, hideable_seconds) run under compute:
+    none for the upper bound, hideable_seconds for the lower one."""
+    hidden = hidden or {}
+    exposed = {k: v - hidden.get(k, 0.0) for k, v in comm_s.items()}
+    t_compute = flops / (hw.tflops * 1e12)
+    inside = sum(v for k, v in exposed.items() if k in INSIDE_STEP)
+    after = sum(v for k, v in exposed.items() if k not in INSIDE_STEP)
+    return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) + after
 
 
 def hideable_seconds(comm_s: dict, plan, overlap_degree: int) -> dict:
@@ -95,15 +100,6 @@ def hideable_seconds(comm_s: dict, plan, overlap_degree: int) -> dict:
         if plan.offload == "optimizer" and "host_offload" in comm_s:
             out["host_offload"] = comm_s["host_offload"] / 2
     return out
-
-
-def stage_seconds_min(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidden: dict) -> float:
-    """The lower bound: the hideable seconds run under compute; the rest as in stage_seconds."""
-    exposed = {k: v - hidden.get(k, 0.0) for k, v in comm_s.items()}
-    t_compute = flops / (hw.tflops * 1e12)
-    inside = sum(v for k, v in exposed.items() if k in INSIDE_STEP)
-    after = sum(v for k, v in exposed.items() if k not in INSIDE_STEP)
-    return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) + after
 
 
 def host_seconds(plan, state, microbatches: int, hw: Hardware) -> float:
