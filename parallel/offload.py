@@ -84,8 +84,9 @@ class HostMasters:
     def __init__(self, model: torch.nn.Module, blocks=(), prefetch: int = 0):
         """Masters shaped like the local shards; refresh_from_params fills them (parallelize
         calls it after the weights are initialised: the model may still be on the meta device
-        here, and then the masters are allocated there). blocks: the FSDP2 blocks (parallel/apply.py
-_blocks), prefetch: parallel.zero_prefetch; they size the wait window of each unit."""
+        here, and then the masters are allocated there). blocks: the FSDP2 blocks
+        (parallel/apply.py _blocks), prefetch: parallel.zero_prefetch; they size the wait
+        window of each unit."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shard_of = {id(p): torch.nn.Parameter(like_param(host_empty_like(local(p)), p)) for p in self.params}
         self.units = fsdp_units(model)           # [(module, [params])] in forward order

@@ -229,6 +229,7 @@ class Trainer:
         self.in_a_row = 0  # consecutive steps skipped as non-finite
         self.last_saved = None
         self.ps = ps  # parallel.param_server.PSClient under parallel.ps_servers > 0
+        self.ps_settled = None  # the step after which the replicas were last settled
 
     def step(self, n: int) -> None:
         """Train step n, log it, then whatever is due after it (evaluation, MoE statistics,
@@ -297,9 +298,11 @@ class Trainer:
 
     def _settle_ps(self, n: int) -> None:
         """Before evaluation or a checkpoint: every worker has pushed step n (a barrier), then
-        each pulls the weights after it, so all replicas hold the same values."""
-        if self.ps is None:
+        each pulls the weights after it, so all replicas hold the same values. Once per step
+        (an evaluation and a checkpoint at the same step share it)."""
+        if self.ps is None or self.ps_settled == n:
             return
+        self.ps_settled = n
         barrier(self.ctx)
         self.ps.pull(n + 1)
         self.ps.take_traffic()  # (counted with the step, not here)
