@@ -26,16 +26,11 @@ from moe import MoELayer
 from moe.profiling.timeline import Timeline
 from parallel.expert import apply_expert_parallel
 from tests.dist.harness import run_distributed
+from tests.dist.same_function import check_rows, scaled_err, sgd_losses
 
 pytestmark = pytest.mark.dist
 
 D, F, S, B = 8, 12, 8, 3
-REL, ABS = 1e-6, 1e-9
-
-
-def _err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / (REL * b.abs().max() + ABS)) if a.numel() else 0.0
 
 
 class TinyNet(nn.Module):
@@ -78,25 +73,14 @@ def _compare(rank, case, rows, steps=4):
         ((y * gy).sum() + net.moe.aux_loss).backward()
         grads[tag] = (y, xi.grad, [p.grad for p in net.parameters()])
     (y0, gx0, g0), (y1, gx1, g1) = grads["base"], grads["over"]
-    rows += [(name, "output", _err(y1, y0), 1), (name, "input grad", _err(gx1, gx0), 1)]
-    rows += [(name, f"{n} grad", _err(a, b), 1)
+    rows += [(name, "output", scaled_err(y1, y0), 1), (name, "input grad", scaled_err(gx1, gx0), 1)]
+    rows += [(name, f"{n} grad", scaled_err(a, b), 1)
              for (n, _), a, b in zip(base.named_parameters(), g1, g0)]
     rows.append((name, "rank rows equal", float(not torch.equal(over.moe.last_stats.rank_rows,
                                                                  base.moe.last_stats.rank_rows)), 0))
-    losses = {}
-    for tag, net in (("base", base), ("over", over)):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses[tag] = []
-        for step in range(steps):
-            gs = torch.Generator().manual_seed(100 * step + rank)
-            xs, t = torch.randn(B, S, 5, generator=gs), torch.randn(B, S, 3, generator=gs)
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(net(xs), t) + net.moe.aux_loss
-            loss.backward()
-            opt.step()
-            losses[tag].append(loss.detach())
-    rows += [(name, f"step {i} loss", _err(a, b), 1) for i, (a, b) in enumerate(zip(losses["over"], losses["base"]))]
-    rows += [(name, f"final {n}", _err(a, b), 1)
+    losses = {tag: sgd_losses(net, rank, steps, B, S) for tag, net in (("base", base), ("over", over))}
+    rows += [(name, f"step {i} loss", scaled_err(a, b), 1) for i, (a, b) in enumerate(zip(losses["over"], losses["base"]))]
+    rows += [(name, f"final {n}", scaled_err(a, b), 1)
              for (n, a), (_, b) in zip(over.named_parameters(), base.named_parameters())]
 
 
@@ -145,10 +129,7 @@ def _worker(rank, P, cases):
 
 
 def _check(results):
-    bad = [f"rank {r}: {case}: {metric} = {v:.3g} > {tol}"
-           for r, rows in enumerate(results) for case, metric, v, tol in rows if v > tol]
-    assert not bad, "\n".join(bad)
-    assert sum(len(rows) for rows in results) > 40
+    check_rows(results, 40)
 
 
 def test_a2a_overlap_world2():

@@ -29,18 +29,12 @@ from moe import MoELayer
 from parallel.expert import apply_expert_parallel
 from parallel.ledger import CommLedger
 from tests.dist.harness import run_distributed
+from tests.dist.same_function import check_rows, scaled_err, sgd_losses
 
 pytestmark = pytest.mark.dist
 
 D, F, S, B = 8, 12, 8, 2
-REL, ABS = 1e-6, 1e-9
 HOT = {2: (0, 1), 4: (0, 1, 4)}   # experts given a large selection bias per world size
-
-
-def _err(a, b) -> float:
-    """max |a-b| / (REL * max|b| + ABS): <= 1 means within tolerance."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / (REL * b.abs().max() + ABS)) if a.numel() else 0.0
 
 
 class TinyNet(nn.Module):
@@ -92,10 +86,10 @@ def _layer_rows(rank, P, E, R, act, cf, rows):
         moved[tag] = ledger.take().get("expert_all_to_all", 0)
         out[tag] = (y, xi.grad, net)
     (y0, gx0, n0), (y1, gx1, n1) = out["base"], out["rep"]
-    rows.append((name, "output", _err(y1, y0), 1))
-    rows.append((name, "input grad", _err(gx1, gx0), 1))
+    rows.append((name, "output", scaled_err(y1, y0), 1))
+    rows.append((name, "input grad", scaled_err(gx1, gx0), 1))
     for (pname, p0), (_, p1) in zip(n0.named_parameters(), n1.named_parameters()):
-        rows.append((name, f"{pname} grad", _err(p1.grad, p0.grad), 1))
+        rows.append((name, f"{pname} grad", scaled_err(p1.grad, p0.grad), 1))
     st0, st1 = n0.moe.last_stats, n1.moe.last_stats
     rows.append((name, "rank_rows conserved", float(int(st1.rank_rows.sum()) != int(st0.rank_rows.sum())), 0))
     rows.append((name, "unreplicated rows == R=0 rows",
@@ -116,22 +110,11 @@ def _layer_rows(rank, P, E, R, act, cf, rows):
 def _train_rows(rank, P, E, R, rows, steps=4):
     name = f"train P={P} E={E} R={R}"
     base, rep = _build(P, E, R, "swiglu", seed=9)
-    losses = {}
-    for tag, net in (("base", base), ("rep", rep)):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses[tag] = []
-        for step in range(steps):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            x, t = torch.randn(B, S, 5, generator=g), torch.randn(B, S, 3, generator=g)
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(net(x), t) + net.moe.aux_loss
-            loss.backward()
-            opt.step()
-            losses[tag].append(loss.detach())
+    losses = {tag: sgd_losses(net, rank, steps, B, S) for tag, net in (("base", base), ("rep", rep))}
     for step, (l0, l1) in enumerate(zip(losses["base"], losses["rep"])):
-        rows.append((name, f"step {step} loss", _err(l1, l0), 1))
+        rows.append((name, f"step {step} loss", scaled_err(l1, l0), 1))
     for (pname, p0), (_, p1) in zip(base.named_parameters(), rep.named_parameters()):
-        rows.append((name, f"final {pname}", _err(p1, p0), 1))
+        rows.append((name, f"final {pname}", scaled_err(p1, p0), 1))
 
 
 def _errors(rank, P, rows):
@@ -162,10 +145,7 @@ def _worker(rank, P, cases):
 
 
 def _check(results):
-    bad = [f"rank {r}: {case}: {metric} = {v:.3g} > {tol}"
-           for r, rows in enumerate(results) for case, metric, v, tol in rows if v > tol]
-    assert not bad, "\n".join(bad)
-    assert sum(len(rows) for rows in results) > 20
+    check_rows(results, 20)
 
 
 def test_replication_world2():
