@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         if "print-config" in flags:
             print(to_toml(cfg))
             return 0
-        from trainer.loop import run
+        from trainer.run import run
         return run(cfg)
     except ConfigError as e:
         if env_rank() == 0:

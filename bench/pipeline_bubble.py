@@ -10,7 +10,7 @@ wall time) over the timed steps: with one thread per process and gloo's blocking
 rank burns CPU only while it computes (or copies a message), so the rest is time spent
 waiting for the neighbour stage (the bubble, plus message latency). Needs the cores to
 itself: with other jobs running, waiting for a core looks like idle time too.
-Predicted = parallel/planner/schedule.py: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), v=2;
+Predicted = parallel/pipeline/schedules.py: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), v=2;
 zb_interleaved (p-1)/(3 v m+p-1), zbv and dualpipev 0 (at equal forward / input-backward /
 weight-backward times); 2bw (p-1)/(3m+p-1), the per-step barrier (its loss all-reduce here).
 """
@@ -28,8 +28,9 @@ from models import build_model, init_weights  # noqa: E402
 from models.config import ModelConfig, MoEConfig  # noqa: E402
 from parallel.apply import parallelize  # noqa: E402
 from parallel.mesh import build_meshes  # noqa: E402
-from parallel.plan import PP_SCHEDULES, ParallelPlan  # noqa: E402
-from parallel.planner.schedule import bubble_fraction  # noqa: E402
+from parallel.pipeline.schedules import PP_SCHEDULES  # noqa: E402
+from parallel.plan import ParallelPlan  # noqa: E402
+from parallel.pipeline.schedules import bubble_fraction  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 S, V = 128, 256

@@ -11,7 +11,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.study import main  # noqa: E402
+from commands.study import main  # noqa: E402
 
 DEFAULTS = ["--steps", "200", "--experts", "1,2,4,8,16,32", "--out", "runs/study-default"]
 

@@ -24,10 +24,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.config import ModelConfig, MoEConfig  # noqa: E402
-from parallel.ledger import model_state_bytes  # noqa: E402
+from trainer.memory import model_state_bytes  # noqa: E402
 from tests.dist import dense_common as dc  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
-from trainer.adafactor import Adafactor  # noqa: E402
+from optim.adafactor import Adafactor  # noqa: E402
 
 
 def _layouts(world):

@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel.planner import Hardware, StateCache, predict  # noqa: E402
-from parallel.planner.__main__ import workload_from_config  # noqa: E402
+from trainer.planning import workload_from_config  # noqa: E402
 from parallel.planner.enumerate import rejection  # noqa: E402
 from parallel.planner.flops import model_costs  # noqa: E402
 from parallel.planner.report import BUILD_ERRORS  # noqa: E402

@@ -5,9 +5,11 @@ Interface (trainer and parallel/ rely on it):
     init_weights(model, seed, device)               -> materialise + deterministic init
     count_params(model)                             -> {"total", "active_per_token"}
     moe_layers(model)                               -> [(name, MoELayer)]
+    blocks(model)                                   -> the transformer blocks, every stack
 """
+from .blocks import block_stacks, blocks
 from .build import build_model, count_params, init_weights, moe_layers
 from .config import ModelConfig, MoEConfig, field_help, parse_capacity_factor
 
 __all__ = ["ModelConfig", "MoEConfig", "build_model", "init_weights", "count_params",
-           "moe_layers", "field_help", "parse_capacity_factor"]
+           "moe_layers", "blocks", "block_stacks", "field_help", "parse_capacity_factor"]

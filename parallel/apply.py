@@ -14,20 +14,12 @@ import os
 
 import torch.nn as nn
 
-from .grad_sync import GradSync, param_kinds, reduction_buckets
+from models.blocks import blocks
+
+from .data_parallel.grad_sync import GradSync, reduction_buckets
+from .kinds import param_kinds
 from .parallelized import Parallelized
 from .plan import ParallelPlan
-
-
-def _blocks(model) -> list:
-    """The transformer blocks: model.blocks (GPT) or every stack's (the encoder-decoder's
-    encoder.blocks and decoder.blocks, which recomputation and FSDP2 units used to miss)."""
-    out = []
-    for owner in (model, getattr(model, "encoder", None), getattr(model, "decoder", None)):
-        blocks = getattr(owner, "blocks", None) if owner is not None else None
-        if blocks is not None:
-            out += list(blocks)
-    return out
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=None,
@@ -50,13 +42,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     par = Parallelized(model, plan, meshes)
     tied = _tied_embedding(model, meshes)  # decided before the split prunes either end
     if plan.pp > 1:
-        from .pipeline import split_pipeline
+        from .pipeline.split import split_pipeline
         par.pipeline = split_pipeline(model, plan, meshes, loss_fn)
     if plan.tp > 1 and plan.tp_mode == "1d":
-        from .tensor import apply_tensor_parallel
+        from .tensor.one_d import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)
     elif plan.tp > 1:
-        from .tensor2d import apply_grid_tensor_parallel
+        from .tensor.grid import apply_grid_tensor_parallel
         apply_grid_tensor_parallel(model, meshes)
     if plan.ep > 1:
         from .expert import apply_expert_parallel
@@ -72,9 +64,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         apply_precision(model, plan.precision)
     if plan.recompute != "none":
         from .recompute import apply_recompute
-        apply_recompute(_blocks(model))
+        apply_recompute(blocks(model))
     if plan.compile:
-        for b in _blocks(model):
+        for b in blocks(model):
             b.compile()
     if init_fn is not None and plan.zero != 3:
         init_fn(model)
@@ -107,7 +99,7 @@ def ranks_per_node(plan: ParallelPlan) -> int | None:
 def _tied_embedding(model, meshes):
     """A factory for the TiedEmbedding of a tied model (called after the split), or None.
     Creating the stage-pair groups is collective, so every rank does it here, in order."""
-    from .pipeline import TiedEmbedding, is_tied
+    from .pipeline.tied import TiedEmbedding, is_tied
     if not is_tied(model):
         return None
     from .mesh import stage_pair_group
@@ -121,20 +113,20 @@ def _tied_embedding(model, meshes):
 
 def _apply_data_parallel(model, par) -> None:
     plan, meshes = par.plan, par.meshes
-    if plan.ps_servers:  # the parameter server sums gradients (parallel/param_server): no hooks
+    if plan.ps_servers:  # the parameter server sums gradients (data_parallel/param_server): no hooks
         return
     if plan.zero == 3:
-        from .fsdp import apply_fsdp
+        from .data_parallel.fsdp import apply_fsdp
         roots = par.pipeline.chunks if par.pipeline is not None else None
-        apply_fsdp(model, meshes, _blocks(model), roots, comm_label=par.comm_label)
+        apply_fsdp(model, meshes, blocks(model), roots, comm_label=par.comm_label)
         if plan.offload == "optimizer":
-            from .offload import HostMasters
-            par.zero = HostMasters(model, _blocks(model), plan.zero_prefetch)
+            from .data_parallel.offload import HostMasters
+            par.zero = HostMasters(model, blocks(model), plan.zero_prefetch)
         return
     buckets = reduction_buckets(model, meshes, param_kinds(model))
     if plan.zero in (1, 2):
-        from .zero import ZeroState
-        from .zeropp import labelled_reduce_scatter
+        from .data_parallel.zero import ZeroState
+        from .data_parallel.zeropp import labelled_reduce_scatter
         rs = labelled_reduce_scatter(par.comm_label) if plan.zeropp_quantize_grads else None
         par.zero = ZeroState(buckets, plan.zero, host=plan.offload == "optimizer",
                              reduce_scatter_fn=rs)

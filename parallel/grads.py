@@ -60,3 +60,19 @@ def clip_(items: list, norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -
     scale = torch.clamp(max_norm / (norm + eps), max=1.0)
     for g, _ in items:
         g.mul_(scale.to(g.device, g.dtype))
+
+
+def clip_grad_norm_(par_or_model, max_norm: float) -> torch.Tensor:
+    """The call an earlier README documented, `parallel.grads.clip_grad_norm_(model, 1.0)`.
+
+    Since parallelize() returns a Parallelized handle, the layout lives on the handle, not
+    on the model: pass the handle (the same as `par.clip_grad_norm_(max_norm)`). A plain
+    module is accepted where no layout can apply (no process group), where torch's own clip
+    counts every element once; under a process group it names the handle to use."""
+    if not isinstance(par_or_model, torch.nn.Module):
+        return par_or_model.clip_grad_norm_(max_norm)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise TypeError("parallel.grads.clip_grad_norm_ needs the Parallelized handle under a "
+                        "process group (the model alone does not say its layout): call "
+                        "par.clip_grad_norm_(max_norm) with par = parallelize(model, plan, meshes)")
+    return torch.nn.utils.clip_grad_norm_(par_or_model.parameters(), max_norm)

@@ -205,35 +205,3 @@ def mesh_groups(meshes, extra: dict = None) -> dict:
         dims += tuple(GRID_KINDS)
     groups = {dim: meshes.group(dim) for dim in dims}
     return {**groups, **(extra or {})}
-
-
-def model_state_bytes(model, grads: list, optimizer) -> dict:
-    """This rank's model-state bytes by category and device, from the tensors it holds:
-    {"params": {"cpu": n, ...}, "grads": {...}, "optimizer": {...}}. Optimizer state counts
-    every tensor in optimizer.state (and ZeRO-1/2's fp32 master slices, which the optimizer
-    steps, via its param_groups when they are not the model's own parameters)."""
-    from .dtensors import local
-    model_ids = {id(p) for p in model.parameters()}
-    seen, out = set(), {"params": Counter(), "grads": Counter(), "optimizer": Counter()}
-
-    def add(category, t):
-        # dedupe by the held object: DTensor.to_local() makes a new (short-lived) view per
-        # call, whose id() the next one may reuse, which used to drop tensors from the count
-        if t is None or id(t) in seen or not isinstance(t, torch.Tensor):
-            return
-        seen.add(id(t))
-        t = local(t)
-        out[category][t.device.type] += t.numel() * t.element_size()
-    for p in model.parameters():
-        add("params", p)
-    for g in grads:
-        add("grads", g)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in model_ids:
-                add("optimizer", p)  # a master slice, not a model parameter
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                add("optimizer", v)
-    return {k: dict(v) for k, v in out.items()}

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .plan import V_SCHEDULES, ParallelPlan
+from .pipeline.schedules import V_SCHEDULES
+from .plan import ParallelPlan
 
 
 def default_device_type() -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moe.stats import RoutingStats
 
 from .dtensors import local
-from .grad_sync import GradSync
+from .data_parallel.grad_sync import GradSync
 from .grads import clip_, grad_norm, held_grad, weighted_grads
 from .plan import ParallelPlan
 from .reduce import all_reduce_flat, sum_routing_stats
@@ -59,10 +59,10 @@ class Parallelized:
         offload=optimizer one over host copies of the shards; with offload=params the same
         optimizer with its fused CPU step; else `optimizer`."""
         if self.zero is not None:
-            from .zero import shard_optimizer
+            from .data_parallel.zero import shard_optimizer
             return shard_optimizer(optimizer, self.zero)
         if self.plan.offload == "params" and self.meshes is not None:
-            from .offload import same_optimizer
+            from .data_parallel.offload import same_optimizer
             return same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
         return optimizer
 
@@ -83,11 +83,27 @@ class Parallelized:
         finally:
             if self.grad_sync is not None:
                 self.grad_sync.enabled = True
-        if self.grad_sync is not None and self.pipeline.has_grads:
-            self.grad_sync.sync()  # (2bw's first step has no gradient to apply yet)
+        self.finish_backward(deferred=self.pipeline.has_grads)  # (2bw's first step has none)
+        return loss
+
+    def finish_backward(self, deferred: bool = False) -> None:
+        """The gradient work after a step's last backward, in one place. Without a pipeline
+        the data-parallel reduction already ran at the end of that backward (GradSync's
+        autograd callback, or FSDP2's hooks); a pipeline defers it (`deferred`) to once after
+        all micro-batches. Then a weight tied across stages is summed over its two holders."""
+        if deferred and self.grad_sync is not None:
+            self.grad_sync.sync()
         if self.tied is not None:
             self.tied.sum_grads(held_grad(self.tied.param, self.zero))
-        return loss
+
+    def update_router_bias(self, rate: float) -> None:
+        """After the optimizer step: move every router's aux-loss-free selection bias by its
+        pending expert load, summed over the token pool (moe.bias_update_rate; 0 = off)."""
+        if rate <= 0:
+            return
+        from moe.aux import moe_layers
+        for _, layer in moe_layers(self.model):
+            layer.router.update_selection_bias(rate, self.sum_load(layer.router.pending_load))
 
     def pipeline_aux_loss(self) -> torch.Tensor:
         """pp > 1, after pipeline_step: the aux part of its loss, summed over the stages (each
@@ -156,28 +172,3 @@ class Parallelized:
             dist.all_gather_object(parts, mine, group=self._group("pp"))
             out = {k: RoutingStats(*v) for part in parts for k, v in part.items()}
         return out
-
-    # ------------------------------------------------------------ checkpoints
-    def checkpoint_transforms(self):
-        """(transform, untransform) of (model_sd, optim_sd) so a checkpoint holds full,
-        layout-free tensors under one name each (see expert.py and pipeline.TiedEmbedding)."""
-        steps = []
-        if self.tied is not None:
-            steps.append(self.tied.checkpoint_transforms())
-        if self.meshes is not None and (self.plan.ep > 1 or self.plan.etp > 1):
-            from .expert import expert_checkpoint_transforms
-            steps.append(expert_checkpoint_transforms(self.model, self.meshes))
-        if self.plan.pp > 1 and self.plan.pp_schedule == "2bw":
-            steps.append(self.pipeline.checkpoint_transforms())
-
-        def transform(model_sd, optim_sd):
-            for fwd, _ in steps:
-                model_sd, optim_sd = fwd(model_sd, optim_sd)
-            return model_sd, optim_sd
-
-        def untransform(model_sd, optim_sd):
-            for _, back in reversed(steps):
-                model_sd, optim_sd = back(model_sd, optim_sd)
-            return model_sd, optim_sd
-
-        return transform, untransform

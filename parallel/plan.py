@@ -16,12 +16,9 @@ model/MoE/batch sizes, and every error names the field and a fix.
 import dataclasses
 from dataclasses import dataclass, field
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_interleaved", "zbv", "dualpipev", "2bw")
-ASYNC_SCHEDULES = ("2bw",)  # PipeDream-2BW: no flush, delayed update (parallel/pipedream.py)
-LOOPED_SCHEDULES = ("interleaved_1f1b", "zb_interleaved")  # stages r, r+pp, ... on rank r
-V_SCHEDULES = ("zbv", "dualpipev")                          # stages r and 2pp-1-r on rank r
-MULTI_STAGE_SCHEDULES = LOOPED_SCHEDULES + V_SCHEDULES
-ZERO_BUBBLE = ("zb_interleaved", "zbv", "dualpipev")       # backward split: input, then weight
+from .pipeline.schedules import (MULTI_STAGE_SCHEDULES, PP_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE,
+                                 stage_ids)
+
 TP_MODES = ("1d", "2d", "2.5d")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
@@ -100,6 +97,10 @@ class ParallelPlan:
     @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
+
+    def stages_of(self, pp_rank: int) -> list:
+        """The pipeline stages rank `pp_rank` runs (pipeline/schedules.py placements)."""
+        return stage_ids(self.pp_schedule, self.pp, self.stages_per_rank, pp_rank)
 
     def validate(self, world_size: int, model_cfg=None, moe_cfg=None, batch_size=None,
                  seq_len=None) -> "ParallelPlan":

@@ -1,5 +1,8 @@
 """Atomic torch.distributed.checkpoint (DCP) saves and resumes, reshardable across layouts.
 
+This file handles the files; what each layout's state looks like in a checkpoint (the
+layout-free form) is parallel/state_dict.py's.
+
 Layout of run.dir/checkpoints/step_00000100/:
   DCP files       model and optimizer state (sharded tensors are resharded on load)
   trainer.json    step, scheduler, sampler position, resolved config, world size
@@ -26,16 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
-from parallel.dtensors import like_param
+from parallel.state_dict import (OPTIONAL_PREFIXES, layout_state, set_layout_state, set_weights_state,
+                                 weights_state)
 
 from .distributed import all_agree, barrier
-
-# ZeRO-1/2 optimizers step private flat slices; their state is saved gathered into the
-# parameter-shaped, name-keyed form get_state_dict gives for the other layouts, so any
-# layout can load it (see _zero_optim_state).
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -88,61 +86,6 @@ def structural_diff(saved_cfg: dict, cfg: dict) -> list:
     return diffs
 
 
-def _param_name(name: str) -> str:
-    return name.replace("_orig_mod.", "")  # as get_state_dict names a compiled module's params
-
-
-def _zero_optim_state(model, optimizer, zero) -> dict:
-    """Collective: the slice optimizer's state as get_state_dict would give it for an unsharded
-    optimizer over the model (keyed by parameter name, tensors shaped like the parameter;
-    DTensor parameters get DTensor state with the same placements)."""
-    full = zero.full_optimizer_state(optimizer)
-    state = {}
-    for name, p in model.named_parameters():
-        if id(p) not in full:
-            continue
-        state[_param_name(name)] = {k: v if not isinstance(v, torch.Tensor) or v.dim() == 0
-                                    else like_param(v, p) for k, v in full[id(p)].items()}
-    names = {id(p): _param_name(n) for n, p in model.named_parameters()}
-    of = zero.model_param_of()
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names[id(of[id(s)])] for s in g["params"]]} for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
-
-
-def _set_zero_optim_state(model, optimizer, zero, optim_sd) -> None:
-    """Scatter a loaded name-keyed optimizer state back into this rank's slices."""
-    from torch.distributed.tensor import DTensor
-    full = {}
-    for name, p in model.named_parameters():
-        st = optim_sd["state"].get(_param_name(name))
-        if st is not None:
-            full[id(p)] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in st.items()}
-    zero.load_full_optimizer_state(optimizer, full)
-    for g, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
-        g.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _model_optim_state(par, optimizer, for_load: bool = False):
-    """{"model", "optim"} state dicts in the layout-free form (parallel.Parallelized
-    .checkpoint_transforms: expert slices as DTensors, a tied weight under one name)."""
-    model, zero = par.model, par.zero
-    if zero is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-    else:
-        if for_load:
-            zero.init_optimizer_state(optimizer)  # the load fills existing state tensors
-        model_sd = get_model_state_dict(model)
-        optim_sd = _zero_optim_state(model, optimizer, zero)
-        missing = [k for k in optim_sd["state"] if k not in model_sd]
-        if missing:
-            raise RuntimeError(f"ZeRO optimizer state names {missing[:3]} are not model state "
-                               f"names; checkpoint._param_name must map them")
-    transform, _ = par.checkpoint_transforms()
-    model_sd, optim_sd = transform(model_sd, optim_sd)
-    return {"model": model_sd, "optim": optim_sd}
-
-
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -165,7 +108,7 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
         tmp.mkdir(parents=True)
     barrier(ctx)
     with _quiet_single_process(ctx):
-        dcp.save(_model_optim_state(par, optimizer), checkpoint_id=str(tmp))
+        dcp.save(layout_state(par, optimizer), checkpoint_id=str(tmp))
     rng_file = tmp / f"rng_rank{ctx.rank}.pt"
     torch.save(_rng_state(), rng_file)
     _fsync_file(rng_file)
@@ -311,7 +254,7 @@ def load(ctx, path, par, optimizer) -> dict:
     if not _has_optimizer_state(path):  # saved before the first optimizer step (e.g. fp16 skips)
         load_model_weights(path, par)
         return _restore_rng(ctx, path)
-    state = _model_optim_state(par, optimizer, for_load=True)
+    state = layout_state(par, optimizer, for_load=True)
     _drop_absent_optional(state, path)
     # each rank saved its own param_groups under the same keys (a pipeline stage lists its own
     # parameters), so the loaded lists are one rank's: keep this rank's, take the values
@@ -320,18 +263,8 @@ def load(ctx, path, par, optimizer) -> dict:
         dcp.load(state, checkpoint_id=str(path))
     for group, params in zip(state["optim"].get("param_groups", []), mine):
         group["params"] = params
-    _, untransform = par.checkpoint_transforms()
-    model_sd, optim_sd = untransform(state["model"], state["optim"])
-    if par.zero is None:
-        set_state_dict(par.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    else:
-        set_model_state_dict(par.model, model_sd)
-        _set_zero_optim_state(par.model, optimizer, par.zero, optim_sd)
-        par.zero.refresh_from_params()
+    set_layout_state(par, optimizer, state)
     return _restore_rng(ctx, path)
-
-
-OPTIONAL_PREFIXES = ("pipeline_2bw_pending_grad.",)  # a 2bw run's pending gradient (pipedream.py)
 
 
 def _drop_absent_optional(state: dict, path: Path) -> None:
@@ -361,13 +294,11 @@ def load_model_weights(path, par) -> Path:
     if not (path / "COMPLETE").is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker); pass a run "
                          f"dir or a checkpoints/step_XXXXXXXX dir")
-    transform, untransform = par.checkpoint_transforms()
-    no_optim = {"state": {}, "param_groups": []}
-    state = {"model": transform(get_model_state_dict(par.model), no_optim)[0]}
+    state = {"model": weights_state(par)}
     with warnings.catch_warnings():  # DCP notes it assumes one process: intended here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(par.model, untransform(state["model"], no_optim)[0])
+    set_weights_state(par, state["model"])
     return path
 
 

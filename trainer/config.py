@@ -277,16 +277,14 @@ def check_hf_layout(cfg: Config, plan) -> None:
              "set parallel.tp=1 and parallel.pp=1")
 
 
-def validate(cfg: Config, world_size: int):
-    """Check every section and their combination; returns the resolved ParallelPlan."""
-    _check_own(cfg)
+def check_sections(cfg: Config) -> None:
+    """The model, moe and hf sections, checked one way for train.py, the planner and the
+    profiler: moe against the model (it must place an MoE block; capacity_factor 0 / "none"
+    normalised to None), and an adopted hf MoE model's [moe] section left at its defaults."""
     try:
-        for name in ("model", "moe", "hf"):
-            check = getattr(getattr(cfg, name), "validate", None)
-            if check is not None:
-                check()
-        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size,
-                                     cfg.data.seq_len)
+        cfg.model.validate()
+        cfg.moe.validate(cfg.model)
+        cfg.hf.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.hf.family in MOE_TASKS:
@@ -294,6 +292,17 @@ def validate(cfg: Config, world_size: int):
         _require(not ignored, f"moe.{', moe.'.join(ignored)} set, but hf.family={cfg.hf.family!r} "
                               f"takes its routing from hf.pretrained's config; remove "
                               f"{'them' if len(ignored) > 1 else 'it'} from the [moe] section")
+
+
+def validate(cfg: Config, world_size: int):
+    """Check every section and their combination; returns the resolved ParallelPlan."""
+    _check_own(cfg)
+    check_sections(cfg)
+    try:
+        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size,
+                                     cfg.data.seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check_hf_layout(cfg, plan)
     _check_batching(cfg, plan)
     _check_optimizer(cfg, plan)

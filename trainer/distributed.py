@@ -133,12 +133,3 @@ def any_rank(ctx: DistContext, flags: list) -> list:
     t = torch.tensor([1 if f else 0 for f in flags], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]
-
-
-def mean_over(values: torch.Tensor, group=None) -> torch.Tensor:
-    """Average a tensor over a process group (identity without one)."""
-    if group is None and not dist.is_initialized():
-        return values
-    out = values.clone()
-    dist.all_reduce(out, group=group)
-    return out / dist.get_world_size(group)

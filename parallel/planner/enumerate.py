@@ -13,7 +13,7 @@ come from the base plan unchanged.
 import dataclasses
 import itertools
 
-from ..plan import PP_SCHEDULES
+from ..pipeline.schedules import PP_SCHEDULES
 
 
 def rejection(e: Exception) -> str:

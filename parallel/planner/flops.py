@@ -15,7 +15,7 @@ busiest rank computes `imbalance` x the mean rows).
 import re
 from dataclasses import dataclass, field
 
-from ..expert import is_expert_param
+from ..kinds import is_expert_param
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|h|layers|block)\.(\d+)\.")
 

@@ -42,7 +42,7 @@ Phases (each on top of params + optimizer state):
 """
 from dataclasses import dataclass
 
-from .schedule import in_flight
+from ..pipeline.schedules import in_flight
 
 LOSS_BYTES_PER_LOGIT = 12   # logits, fp32 log-softmax, their gradient (fp32 runs)
 DEVICE = "gpu"

@@ -3,12 +3,12 @@ representative rank per stage: tp/dp/ep peers hold the same amounts), bubble and
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..plan import V_SCHEDULES
+from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
 from .flops import rank_flops
 from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state
-from .schedule import bubble_fraction
+from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
 from .step_time import comm_seconds, hideable_seconds, host_seconds, stage_seconds, wire_bytes
 

@@ -40,7 +40,7 @@ __all__ = ["run_distributed", "DistributedTestError"]
 
 PRELOAD = [  # imported once by the forkserver; a failed import only costs its time"torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
            "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.checkpoint",
-           "moe", "models", "parallel", "trainer.loop"]
+           "moe", "models", "parallel", "trainer.run", "optim"]
 
 
 class DistributedTestError(RuntimeError):

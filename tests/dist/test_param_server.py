@@ -32,7 +32,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def _optimizer(kind, model):
     if kind == "adafactor":
-        from trainer.adafactor import Adafactor
+        from optim.adafactor import Adafactor
         return Adafactor(model.parameters(), lr=dc.LR, relative_step=False)
     return dc.adamw(model.parameters())
 

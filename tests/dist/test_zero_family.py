@@ -18,9 +18,9 @@ import os
 import pytest
 import torch
 
-from parallel.ledger import model_state_bytes
+from trainer.memory import model_state_bytes
 from parallel.mesh import default_device_type
-from parallel.offload import host_device
+from parallel.data_parallel.offload import host_device
 from tests.dist import dense_common as dc
 from tests.dist.harness import run_distributed
 

@@ -50,7 +50,7 @@ def test_moe_overrides_refused_and_profile_runs(tmp_path, cache):
     cfg_file = tmp_path / "adopt.toml"
     cfg_file.write_text(f'[hf]\nfamily = "qwen3_moe"\npretrained = "{ckpt}"\n[data]\nseq_len = 32\n'
                         f'max_bytes = 1000000\ncache_dir = "{cache}"\n[train]\nbatch_size = 8\n')
-    from trainer.profile import main
+    from commands.profile import main
     assert main(["--config", str(cfg_file), "--checkpoint", str(tmp_path / "run"),
                  "--out", str(tmp_path / "prof"), "--batches", "1"]) == 0
     assert (tmp_path / "prof" / "load.json").is_file()

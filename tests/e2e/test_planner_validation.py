@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from parallel.planner import Hardware, StateCache, predict
-from parallel.planner.__main__ import workload_from_config
+from trainer.planning import workload_from_config
 from parallel.planner.flops import model_costs
 from tests.e2e.launch import run_all
 

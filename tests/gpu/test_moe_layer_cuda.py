@@ -76,7 +76,7 @@ def test_cpu_peak_counter_agrees_with_the_cuda_allocator():
     statistics there). On CUDA the same counter, run on the same step, must agree with the
     allocator's own torch.cuda.max_memory_allocated within 10% (the allocator rounds blocks
     up to 512 bytes and sees library workspaces the counter does not)."""
-    from trainer.peak_memory import _LiveBytes, _Tracker
+    from trainer.memory import _LiveBytes, _Tracker
     torch.manual_seed(0)
     layer = MoELayer(256, 1024, E, top_k=K, activation="swiglu").cuda()
     x = torch.randn(8, 256, 256, device="cuda")

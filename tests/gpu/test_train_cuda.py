@@ -39,7 +39,7 @@ def test_default_config_on_cuda(precision, tmp_path):
 
 
 def test_zero3_offload_on_cuda_uses_pinned_host_buffers(tmp_path):
-    from parallel.offload import host_empty_like, pinning
+    from parallel.data_parallel.offload import host_empty_like, pinning
     assert pinning()
     assert host_empty_like(torch.empty(4, device="cuda")).is_pinned()
     run = tmp_path / "off"

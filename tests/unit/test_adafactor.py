@@ -5,7 +5,7 @@ Tolerance 1e-6 relative on the parameters after 5 steps: the same formulas, with
 column means taken as sums / size instead of norms squared / size (fp32 rounding only)."""
 import torch
 
-from trainer.adafactor import Adafactor
+from optim.adafactor import Adafactor
 
 
 def _params(seed=0):

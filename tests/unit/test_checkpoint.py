@@ -9,7 +9,7 @@ import models
 from trainer import checkpoint
 from trainer.config import ConfigError, load_config, to_dict
 from trainer.distributed import DistContext
-from trainer.optim import build_optimizer
+from optim import build_optimizer
 from trainer.run_dir import plan_start
 from parallel.apply import parallelize
 from parallel.plan import ParallelPlan

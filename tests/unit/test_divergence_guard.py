@@ -11,10 +11,11 @@ from parallel.plan import ParallelPlan
 from trainer import checkpoint
 from trainer.config import load_config
 from trainer.distributed import DistContext
-from trainer.loop import Trainer
+from trainer.execution import Plain
+from trainer.steps import Trainer
 from trainer.metrics import MetricsLogger
 from trainer.model import build_model, init_fn
-from trainer.optim import WarmupCosine, build_optimizer
+from optim import WarmupCosine, build_optimizer
 from trainer.stops import Diverged, StopRequest
 from trainer.tasks import Task, token_loss
 
@@ -37,8 +38,8 @@ def _trainer(tmp_path, text_dir):
     (tmp_path / "run").mkdir()
     log = MetricsLogger(tmp_path / "run", cfg.log, cfg.train.steps, 0, True)
     task = Task("gpt", 0, cfg.model.vocab_size, cfg.data, CTX.device)
-    return Trainer(cfg, CTX, par, opt, sched, None, sampler, files, log, task, first_step=1,
-                   stop_request=StopRequest())
+    return Trainer(cfg, CTX, par, opt, sched, None, sampler, files, log, task, Plain(),
+                   first_step=1, stop_request=StopRequest())
 
 
 def _snapshot(tr):
@@ -59,20 +60,20 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeyp
         (text / f"{i}.txt").write_text(f"document {i} " * 60)
     tr = _trainer(tmp_path, text)
     tr.step(1)
-    real = tr._forward_backward
+    real = tr.execution._forward_backward
 
-    def nan_loss(scale):  # real gradients, a NaN loss: only the guard stops the update
-        loss, aux, stats = real(scale)
+    def nan_loss(trainer, batch, scale):  # real gradients, a NaN loss: only the guard stops the update
+        loss, aux, stats = real(trainer, batch, scale)
         return loss * float("nan"), aux, stats
     before = _snapshot(tr)
-    monkeypatch.setattr(tr, "_forward_backward", nan_loss)
+    monkeypatch.setattr(tr.execution, "_forward_backward", nan_loss)
     tr.step(2)
     assert _same(before, _snapshot(tr)) and tr.in_a_row == 1
     assert [s for s, _ in checkpoint.list_complete(tr.cfg.run.dir)] == [1]  # none at step 2
-    monkeypatch.setattr(tr, "_forward_backward", real)
+    monkeypatch.setattr(tr.execution, "_forward_backward", real)
     tr.step(3)  # a good step updates and resets the count
     assert not _same(before, _snapshot(tr)) and tr.in_a_row == 0
-    monkeypatch.setattr(tr, "_forward_backward", nan_loss)
+    monkeypatch.setattr(tr.execution, "_forward_backward", nan_loss)
     tr.step(4)
     with pytest.raises(Diverged, match="2 consecutive steps, the last at step 5.*step_00000003"):
         tr.step(5)

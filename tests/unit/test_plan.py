@@ -216,11 +216,10 @@ def test_zero_bubble_refusals_name_the_field(kwargs, world, model_kw, batch, pat
 
 
 def test_zero_bubble_schedules_place_their_stages():
-    from parallel.pipeline import _stage_ids
     v = ParallelPlan(pp=4, pp_schedule="dualpipev", microbatches=8).validate(4)
-    assert v.stages_per_rank == 2 and [_stage_ids(v, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert v.stages_per_rank == 2 and [v.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     looped = ParallelPlan(pp=4, pp_schedule="zb_interleaved").validate(4)
-    assert [_stage_ids(looped, r) for r in range(2)] == [[0, 4], [1, 5]]
+    assert [looped.stages_of(r) for r in range(2)] == [[0, 4], [1, 5]]
 
 
 @pytest.mark.parametrize("kwargs,world,model_kw,batch,pattern", [

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from parallel.ledger import KINDS
-from parallel.planner.__main__ import main
-from parallel.planner.schedule import bubble_fraction, in_flight
+from commands.plan import main
+from parallel.pipeline.schedules import bubble_fraction, in_flight
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -79,7 +79,7 @@ def test_state_cache_keeps_v_and_looped_placements_apart():
     cached for one must not serve the other (it once did: stage peaks swapped)."""
     from trainer.config import load_config
     from parallel.planner import Hardware, StateCache, predict
-    from parallel.planner.__main__ import workload_from_config
+    from trainer.planning import workload_from_config
     from parallel.planner.flops import model_costs
     base = ["model.tie_embeddings=false", "parallel.pp=2", "parallel.microbatches=4"]
 
@@ -102,7 +102,7 @@ def test_overlap_lower_bound():
     covers it) and ZeRO-3's gathers hide under compute; dp=2 ZeRO-0 hides nothing."""
     from trainer.config import load_config
     from parallel.planner import Hardware, StateCache, predict
-    from parallel.planner.__main__ import workload_from_config
+    from trainer.planning import workload_from_config
     from parallel.planner.flops import model_costs
     from parallel.planner.step_time import hideable_seconds
 

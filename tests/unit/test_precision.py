@@ -11,7 +11,7 @@ from moe import Router
 from moe.aux import collect_aux_loss
 from parallel.apply import parallelize
 from parallel.plan import ParallelPlan
-from parallel.precision import DynamicLossScaler
+from optim import DynamicLossScaler
 from tests.dist import dense_common as dc
 
 

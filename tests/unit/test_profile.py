@@ -124,7 +124,7 @@ def test_hf_encoder_decoder_streams_and_errors():
 
 def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
     # the [hf] section + train.py config -> model -> validation batches -> files; a small corpus
-    from trainer.profile import build_initialised, load_run_config, main
+    from commands.profile import build_initialised, load_run_config, main
     cfg_file = tmp_path / "hf.toml"
     cfg_file.write_text(
         '[hf]\nfamily = "gpt2"\n[model]\nvocab_size = 256\nd_model = 32\nn_layers = 2\n'

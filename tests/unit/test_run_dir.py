@@ -73,7 +73,7 @@ def test_run_name_must_be_plain():
 
 
 def test_a_run_that_fails_before_step_1_leaves_no_auto_dir(tmp_path, capsys):
-    from trainer.loop import run
+    from trainer.run import run
     empty = tmp_path / "empty_texts"
     empty.mkdir()
     cfg = load_config(None, [f"data.source={empty}", f"data.cache_dir={tmp_path / 'cache'}"])

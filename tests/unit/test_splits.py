@@ -2,7 +2,7 @@
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.loop import check_splits
+from trainer.run import check_splits
 
 
 def test_validation_smaller_than_dp_and_training_smaller_than_a_batch_are_refused():

@@ -11,7 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallel.mesh import build_meshes
 from parallel.plan import ParallelPlan
-from parallel.tensor import apply_tensor_parallel
+from parallel.tensor.one_d import apply_tensor_parallel
 from tests.unit.test_plan import MODEL, MOE
 
 

@@ -1,7 +1,7 @@
 """The optimizer (AdamW, or Adafactor as the Switch Transformer trained with) with
-weight-decay groups, and the warmup + cosine learning-rate schedule.
+weight-decay groups.
 
-Adafactor (trainer/adafactor.py: torch.optim.Adafactor's update, also on sharded DTensors)
+Adafactor (optim/adafactor.py: torch.optim.Adafactor's update, also on sharded DTensors)
 keeps factored second moments for matrices: a row and a column statistic instead of a full
 [rows, cols] moment, and no first moment, so its state is a small fraction of AdamW's
 2 x params. Its step size is relative to each parameter's RMS, capped by the scheduled lr. It
@@ -12,8 +12,6 @@ keep the shapes and work, offloaded or not.
 Decay applies to matrices only. Norm scales, biases (1-D) and router weights are not decayed:
 shrinking a router towards uniform logits fights the load-balancing it is trained for.
 """
-import math
-
 import torch
 
 from .adafactor import Adafactor
@@ -41,39 +39,3 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
         return Adafactor(groups, lr=train_cfg.lr, relative_step=train_cfg.adafactor_relative_step)
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
                              eps=train_cfg.eps)
-
-
-class WarmupCosine:
-    """lr(step): linear from lr/warmup to lr over `warmup` steps, then cosine down to
-    lr*min_ratio at `total`. `step()` is called after each optimizer step."""
-
-    def __init__(self, optimizer, lr: float, warmup: int, total: int, min_ratio: float):
-        self.optimizer, self.lr, self.warmup, self.total = optimizer, lr, warmup, total
-        self.min_ratio, self.last_step = min_ratio, 0
-        self._apply()
-
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        span = max(1, self.total - self.warmup)
-        progress = min(1.0, (step - self.warmup) / span)
-        floor = self.lr * self.min_ratio
-        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def _apply(self) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.last_step)
-
-    def step(self) -> None:
-        self.last_step += 1
-        self._apply()
-
-    def get_last_lr(self) -> float:
-        return self.lr_at(self.last_step)
-
-    def state_dict(self) -> dict:
-        return {"last_step": self.last_step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_step = int(state["last_step"])
-        self._apply()

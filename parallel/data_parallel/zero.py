@@ -13,7 +13,7 @@ all-gather. zeropp_quantize_grads: the zero=2 reduce-scatter runs block-quantize
 import torch
 import torch.distributed as dist
 
-from .dtensors import local
+from ..dtensors import local
 from .grad_sync import settled_grad
 from .offload import same_optimizer, step_at_zero_lr, to_host, wait_for_copies
 

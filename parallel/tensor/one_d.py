@@ -22,10 +22,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
+from models.blocks import blocks
 from moe import DenseFFN, MoELayer
 
-from . import tp_comm
-from .dtensors import local
+from . import comm as tp_comm
+from ..dtensors import local
 
 
 def _tp_mean(x, group):
@@ -113,7 +114,7 @@ def apply_tensor_parallel(model: nn.Module, meshes) -> None:
                                                                 output_layouts=Replicate()))
         _check_input(model, group)
         _split_after_embedding(model, group)
-    for block in model.blocks:
+    for block in blocks(model):
         _shard_block(block, mesh, group)
     if model.norm is not None:
         parallelize_module(model.norm, mesh, SequenceParallel())

@@ -20,7 +20,7 @@ after the older stash is freed: so at most 2 weight versions are held.
 `drain()` finishes the backwards in flight (before evaluation, a checkpoint, the end): the
 next step refills the pipeline. A drain changes no value, only when gradients are taken,
 and the gradient not yet applied (batch t's, due at step t+1) is part of the checkpoint
-(`pending`), so a resumed run continues exactly.
+(`pending`, saved by parallel/state_dict.py), so a resumed run continues exactly.
 """
 from collections import deque
 
@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from .pipeline import PipelineRunner, _recv_activation, activation_messages
+from .p2p import activation_messages, recv_activation
+from .runner import PipelineRunner
 
-
-PENDING, FLAG = "pipeline_2bw_pending_grad.", "_present"
 
 
 class TwoBWRunner(PipelineRunner):
@@ -137,7 +136,7 @@ class TwoBWRunner(PipelineRunner):
 
     def _recv(self, stage: int):
         device = next(iter(self.params.values())).device
-        return _recv_activation(dist.get_global_rank(self.group, stage), device, self.group)
+        return recv_activation(dist.get_global_rank(self.group, stage), device, self.group)
 
     # ---- checkpoints and evaluation
     def pending_state(self) -> dict:
@@ -151,24 +150,3 @@ class TwoBWRunner(PipelineRunner):
         """Restore the gradient a checkpoint held: the next step applies it."""
         batch = self.n // self.m - 1
         self.pending = {batch: {k: grads.get(k) for k in self.params}} if grads else {}
-
-    def checkpoint_transforms(self):
-        """(transform, untransform) adding the gradient not yet applied to the model state as
-        PENDING + name entries (a checkpoint is saved after drain(): at most one), with a flag
-        PENDING + FLAG saying whether there is one (none before the first step). Loading a
-        checkpoint without them (another schedule's) restores no gradient."""
-        def fwd(model_sd, optim_sd):
-            grads = self.pending_state()
-            out = dict(model_sd)
-            for k, p in self.params.items():
-                out[PENDING + k] = grads.get(k, torch.zeros_like(p.data)).detach()
-            out[PENDING + FLAG] = torch.tensor([1.0 if grads else 0.0])
-            return out, optim_sd
-
-        def back(model_sd, optim_sd):
-            out = dict(model_sd)
-            flag = out.pop(PENDING + FLAG, None)
-            grads = {k[len(PENDING):]: out.pop(k) for k in list(out) if k.startswith(PENDING)}
-            self.set_pending(grads if flag is not None and float(flag[0]) > 0 else {})
-            return out, optim_sd
-        return fwd, back

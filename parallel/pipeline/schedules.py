@@ -1,4 +1,11 @@
-"""Pipeline schedules: bubble fraction and how many micro-batches a stage keeps in flight.
+"""Pipeline schedules: the one table of what each schedule is, where its stages sit, its
+bubble and the activations it keeps in flight. plan.py (validation), mesh.py (the tied
+embedding's stage pair), the runners and the planner all read it.
+
+Placement of stage k of n = pp * v (v = stages per rank) on pipeline rank r:
+  one:    v = 1, stage r                                     (gpipe, 1f1b, 2bw)
+  looped: stages r, r+pp, ..., r+(v-1)pp                     (interleaved_1f1b, zb_interleaved)
+  v:      stages r and 2pp-1-r, so rank 0 holds both ends    (zbv, dualpipev)
 
 p pipeline ranks, m micro-batches, v model chunks per rank (interleaved 1F1B), stage s
 (0 = first). Per optimizer step every rank runs m forward and m backward passes of its
@@ -26,17 +33,54 @@ Activations alive at the peak (in units of one micro-batch through one chunk):
       count + 1)
   zbv, dualpipev: min(2m, 2p) (p micro-batches of both chunks: 1F1B's peak, Qi et al. 2024)
 """
-from ..plan import LOOPED_SCHEDULES, V_SCHEDULES
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    torch_class: str | None    # torch.distributed.pipelining class (None: moekit's own runner)
+    placement: str             # "one" | "looped" | "v" (see the module docstring)
+    zero_bubble: bool = False  # backward split into input then weight gradient
+    asynchronous: bool = False # no flush between steps, delayed update (PipeDream-2BW)
+
+
+SCHEDULES = {
+    "1f1b": Schedule("Schedule1F1B", "one"),
+    "gpipe": Schedule("ScheduleGPipe", "one"),
+    "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", "looped"),
+    "zb_interleaved": Schedule("ScheduleInterleavedZeroBubble", "looped", zero_bubble=True),
+    "zbv": Schedule("ScheduleZBVZeroBubble", "v", zero_bubble=True),
+    "dualpipev": Schedule("ScheduleDualPipeV", "v", zero_bubble=True),
+    "2bw": Schedule(None, "one", asynchronous=True),
+}
+PP_SCHEDULES = tuple(SCHEDULES)
+ASYNC_SCHEDULES = tuple(k for k, s in SCHEDULES.items() if s.asynchronous)
+LOOPED_SCHEDULES = tuple(k for k, s in SCHEDULES.items() if s.placement == "looped")
+V_SCHEDULES = tuple(k for k, s in SCHEDULES.items() if s.placement == "v")
+MULTI_STAGE_SCHEDULES = LOOPED_SCHEDULES + V_SCHEDULES
+ZERO_BUBBLE = tuple(k for k, s in SCHEDULES.items() if s.zero_bubble)
+
+
+def stage_ids(schedule: str, pp: int, stages_per_rank: int, pp_rank: int) -> list:
+    """The stages pipeline rank `pp_rank` runs, in order (see the placements above)."""
+    if SCHEDULES[schedule].placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def stage_owner(schedule: str, pp: int, stages_per_rank: int) -> dict:
+    """{stage: pipeline rank}."""
+    return {k: r for r in range(pp) for k in stage_ids(schedule, pp, stages_per_rank, r)}
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     if pp <= 1:
         return 0.0
-    if schedule in V_SCHEDULES:
+    if SCHEDULES[schedule].placement == "v":
         return 0.0
     if schedule == "2bw":
         return (pp - 1) / (3 * microbatches + pp - 1)
-    v = chunks if schedule in LOOPED_SCHEDULES else 1
+    v = chunks if SCHEDULES[schedule].placement == "looped" else 1
     if schedule == "zb_interleaved":
         return (pp - 1) / (3 * v * microbatches + pp - 1)
     return (pp - 1) / (v * microbatches + pp - 1)
@@ -51,6 +95,6 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int
         return m * chunks
     if schedule in ("1f1b", "2bw"):
         return min(m, pp - stage)
-    if schedule in V_SCHEDULES:
+    if SCHEDULES[schedule].placement == "v":
         return min(2 * m, 2 * pp)
     return min(m * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)

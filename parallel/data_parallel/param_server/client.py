@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .server import ServerShard, host, rpc_call, unhost
-from .units import assign, expert_param_names, make_units, unit_view
+from ...kinds import expert_param_names
+from .units import assign, make_units, unit_view
 
 
 TRAFFIC = ("pull", "push", "push_dense", "push_expert", "push_expert_dense")

@@ -14,31 +14,9 @@ ZeroState.after_backward (reduce-scatter into slices). zero 3 is FSDP2's (parall
 import torch
 from torch.distributed.tensor import DTensor
 
-from moe import MoELayer
-
-from .dtensors import local
-from .reduce import all_reduce_flat
-
-KINDS = ("dense", "pool", "expert")
-
-
-def param_kinds(model: torch.nn.Module) -> dict:
-    """Map each parameter (by id) to 'dense', 'pool' or 'expert'. A MoE layer's shared
-    experts split over the 2-D grid (parallel/tensor2d.py) are dense: their tp sums are the
-    grid's own, each rank holds a different block."""
-    kinds = {}
-    for mod in model.modules():
-        if isinstance(mod, MoELayer):
-            for p in mod.parameters():
-                kinds[id(p)] = "dense" if _on_grid(p) else "pool"
-            for p in mod.experts.parameters():
-                kinds[id(p)] = "expert"
-    return {id(p): kinds.get(id(p), "dense") for p in model.parameters()}
-
-
-def _on_grid(p) -> bool:
-    return isinstance(p, DTensor) and "tpc" in (p.device_mesh.mesh_dim_names or ())
-
+from ..dtensors import local
+from ..kinds import KINDS
+from ..reduce import all_reduce_flat
 
 def reduction_buckets(model, meshes, kinds: dict) -> list:
     """[(kind, group, divisor, params)] for the trainable parameters, one bucket per kind."""

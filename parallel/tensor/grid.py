@@ -51,10 +51,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
+from models.blocks import blocks
 from moe import DenseFFN, MoELayer
 
-from . import tp_comm as gc
-from .tensor import moe_layout_hooks
+from . import comm as gc
+from .one_d import moe_layout_hooks
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def apply_grid_tensor_parallel(model: nn.Module, meshes) -> None:
     if getattr(model, "pos_emb", None) is not None:
         model.pos_emb.weight = _place(model.pos_emb.weight, grid, [Replicate(), Replicate(), Shard(1)])
         _graft(model.pos_emb, _GridColumnEmbedding, grid)
-    for block in model.blocks:
+    for block in blocks(model):
         _shard_block(block, grid, meshes.group("tp"))
     if model.norm is not None:
         _norm(model.norm, grid)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from moe import MoELayer
+from ...kinds import expert_param_names
 
 
 @dataclass(frozen=True)
@@ -21,16 +21,6 @@ class Unit:
     @property
     def key(self) -> str:
         return self.name if self.expert < 0 else f"{self.name}#{self.expert}"
-
-
-def expert_param_names(model: nn.Module) -> set:
-    """Names of the [E, ...] expert tensors of every MoELayer (w1, w2, w3 and biases)."""
-    out = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, MoELayer):
-            prefix = f"{mod_name}.experts." if mod_name else "experts."
-            out.update(prefix + n for n, _ in mod.experts.named_parameters(recurse=False))
-    return out
 
 
 def make_units(model: nn.Module, per_expert: bool = True) -> list:

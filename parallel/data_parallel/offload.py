@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from .dtensors import like_param, local
+from ..dtensors import like_param, local
 
 
 def host_device() -> torch.device:

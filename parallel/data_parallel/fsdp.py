@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from moe import MoELayer
 
-from .dtensors import local
+from ..dtensors import local
 
 
 def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=None) -> None:

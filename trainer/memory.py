@@ -1,4 +1,5 @@
-"""Peak memory of one training step, measured the same way on CPU and CUDA.
+"""Memory a rank holds: its model state by category and device (model_state_bytes, read from
+the tensors), and the peak of one training step, measured the same way on CPU and CUDA.
 
 CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (the caching
 allocator's own count of live tensor bytes).
@@ -7,7 +8,7 @@ returns during the step adds its storage's bytes once (storages are keyed by dat
 views and in-place results add nothing), and a weakref finalizer on each tensor holding a
 reference takes the bytes off when the last of them dies. The peak is the largest live total
 plus `baseline_bytes`, the tensors alive before the step (parameters, optimizer state and
-ZeRO slices, from parallel.ledger.model_state_bytes). Not seen: buffers inside libraries
+ZeRO slices, from model_state_bytes below). Not seen: buffers inside libraries
 (gloo, MKL workspaces) and storages freed outside Python references' lifetimes, so it is
 the bytes of live PyTorch tensors, like the CUDA number. The hook costs Python work per op,
 so the training loop runs it on one step only: the second (the first that starts with
@@ -15,9 +16,12 @@ optimizer state, i.e. the steady state; log.peak_mem).
 """
 import contextlib
 import weakref
+from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.dtensors import local
 
 
 class _LiveBytes:
@@ -120,3 +124,34 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         return self._ctx.__exit__(*exc)
+
+
+def model_state_bytes(model, grads: list, optimizer) -> dict:
+    """This rank's model-state bytes by category and device, from the tensors it holds:
+    {"params": {"cpu": n, ...}, "grads": {...}, "optimizer": {...}}. Optimizer state counts
+    every tensor in optimizer.state (and ZeRO-1/2's fp32 master slices, which the optimizer
+    steps, via its param_groups when they are not the model's own parameters)."""
+    model_ids = {id(p) for p in model.parameters()}
+    seen, out = set(), {"params": Counter(), "grads": Counter(), "optimizer": Counter()}
+
+    def add(category, t):
+        # dedupe by the held object: DTensor.to_local() makes a new (short-lived) view per
+        # call, whose id() the next one may reuse, which used to drop tensors from the count
+        if t is None or id(t) in seen or not isinstance(t, torch.Tensor):
+            return
+        seen.add(id(t))
+        t = local(t)
+        out[category][t.device.type] += t.numel() * t.element_size()
+    for p in model.parameters():
+        add("params", p)
+    for g in grads:
+        add("grads", g)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_ids:
+                add("optimizer", p)  # a master slice, not a model parameter
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                add("optimizer", v)
+    return {k: dict(v) for k, v in out.items()}

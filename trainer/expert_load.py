@@ -10,26 +10,17 @@ from pathlib import Path
 
 import torch
 
-from data.sampler import eval_indices
 from moe.profiling import profile_model
 
-
-def model_inputs(task_arch: str, batch):
-    """What the model's forward takes, from a prepared batch (see trainer/tasks.py)."""
-    if task_arch == "switch":
-        return batch["input_ids"], batch["decoder_input_ids"]
-    return batch[:, :-1]
+from .evaluation import held_out, model_inputs
 
 
 @torch.no_grad()
 def profile_at_step(trainer, step: int) -> dict:
     cfg, layout = trainer.cfg, trainer.par
-    bs = cfg.train.batch_size // layout.dp_size
-    count = cfg.log.profile_batches * cfg.train.batch_size
-    idx = eval_indices(trainer.val_file.num_sequences, count, layout.dp_rank, layout.dp_size)
-    chunks = [idx[i:i + bs] for i in range(0, len(idx), bs)]
-    batches = (model_inputs(trainer.task.arch, trainer.task.prepare(trainer.val_file.batch(c), c))
-               for c in chunks)
+    chunks = held_out(trainer.val_file, trainer.task, cfg.log.profile_batches,
+                      cfg.train.batch_size, layout.dp_rank, layout.dp_size)
+    batches = (model_inputs(trainer.task.arch, batch) for _, batch in chunks)
     out_dir = Path(cfg.run.dir) / "profile" / f"step_{step:07d}" if trainer.ctx.is_main else None
     writer = trainer.log.tb if trainer.ctx.is_main else None
     return profile_model(trainer.model, batches, out_dir, writer=writer, step=step)

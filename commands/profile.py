@@ -1,0 +1,126 @@
+"""`python -m trainer.profile`: expert-load profile of a train.py config's model on held-out data.
+
+    python -m trainer.profile --config CONFIG.toml [--checkpoint DIR] --out DIR [--batches N]
+                              [section.field=value ...]
+
+Builds the model exactly as train.py does (trainer/model.py), loads the model weights of a
+checkpoint (a run dir: its latest complete checkpoint; or one checkpoint dir), runs N validation batches of train.batch_size sequences
+(the data split train.py evaluates on) and writes DIR/load.json, DIR/load.png and
+DIR/tensorboard. Without --checkpoint it profiles the freshly initialised model. Rows per
+expert-parallel rank are planned for the config's parallel.ep and moe.replica_slots from each
+batch's expert counts ("rank max/mean": without -> with replication).
+"""
+import argparse
+import os
+import sys
+
+from moe.profiling import profile_model
+
+from trainer.config import ConfigError, check_sections, load_config
+from trainer.model import build_model, init_fn, task_arch
+
+
+def load_run_config(path, overrides=()):
+    """The trainer Config of a train.py config file plus overrides; its model, moe and hf
+    sections checked as train.py does (the parallel layout does not matter here)."""
+    cfg = load_config(path, overrides)
+    check_sections(cfg)
+    return cfg
+
+
+def build_initialised(cfg, device):
+    """(one-process Parallelized handle, task arch) of the model train.py would build."""
+    from parallel.apply import parallelize
+    from parallel.plan import ParallelPlan
+    model = build_model(cfg, device)
+    init = init_fn(cfg, device)
+    if init is not None:
+        init(model)
+    return parallelize(model, ParallelPlan().validate(1)), task_arch(cfg)
+
+
+def validation_batches(cfg, arch: str, n_batches: int, device):
+    """(batches of model inputs, tokenizer) from the validation split train.py uses."""
+    from data.prepare import prepared_dir
+    from data.sampler import open_split
+    from data.tokenizer import load_tokenizer
+
+    from trainer.evaluation import held_out, model_inputs
+    from trainer.tasks import Task
+    data_dir = prepared_dir(cfg.data)
+    val = open_split(data_dir, "val", cfg.data.seq_len)
+    task = Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, device)
+    chunks = held_out(val, task, n_batches, cfg.train.batch_size)
+    return (model_inputs(arch, batch) for _, batch in chunks), load_tokenizer(data_dir)
+
+
+def print_summary(report: dict, out) -> None:
+    print(f"{'layer':40s} {'imbal':>6s} {'cv':>6s} {'entropy':>12s} {'dropped':>8s} "
+          f"{'rank max/mean':>15s}  dead", file=out)
+    for r in report["layers"]:
+        ranks = f"{r['rank_imbalance_unreplicated']:.2f}->{r['rank_imbalance']:.2f}"
+        print(f"{r['name'][-40:]:40s} {r['imbalance']:6.2f} {r['cv']:6.2f} "
+              f"{r['entropy']:5.2f}/{r['entropy_max']:<5.2f} {100 * r['dropped_fraction']:7.1f}% "
+              f"{ranks:>15s}  {r['dead_experts'] or '-'}", file=out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.profile", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="train.py TOML config")
+    p.add_argument("--checkpoint", help="run dir or checkpoint dir to load model weights from")
+    p.add_argument("--out", required=True, help="output dir for load.json, load.png, tensorboard/")
+    p.add_argument("--batches", type=int, default=8, help="validation batches to run (default 8)")
+    p.add_argument("--trace", action="store_true",
+                   help="also time one training step with torch.profiler: OUT/trace.json + a printed breakdown")
+    p.add_argument("overrides", nargs="*", help="section.field=value, as for train.py")
+    args = p.parse_args(argv)
+    import torch
+
+    from trainer.checkpoint import load_model_weights
+    from trainer.distributed import choose_device
+    try:
+        if args.batches < 1:
+            raise ValueError(f"--batches={args.batches} must be >= 1")
+        cfg = load_run_config(args.config, args.overrides)
+        device = choose_device(cfg.run.device, 0)
+        par, arch = build_initialised(cfg, device)
+        if args.checkpoint:
+            print(f"weights: {load_model_weights(args.checkpoint, par)}")
+        batches, tokenizer = validation_batches(cfg, arch, args.batches, device)
+        with torch.no_grad():  # scoped: the CLI is also called in-process by tests
+            report = profile_model(par.model, batches, args.out, tokenizer=tokenizer,
+                                   ep=(cfg.parallel.ep, cfg.moe.replica_slots))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_summary(report, sys.stdout)
+    if args.trace:
+        _trace(par.model, cfg, arch, device, args.out)
+    print(f"wrote {args.out}/load.json, {args.out}/load.png, {args.out}/tensorboard")
+    return 0
+
+
+def _trace(model, cfg, arch, device, out_dir) -> None:
+    """Forward + backward of one held-out batch with the training loss (+ aux), profiled."""
+    from data.prepare import prepared_dir
+    from data.sampler import open_split
+    from moe.aux import collect_aux_loss
+    from moe.profiling import print_breakdown, trace_step
+
+    from trainer.evaluation import held_out
+    from trainer.tasks import Task
+    val = open_split(prepared_dir(cfg.data), "val", cfg.data.seq_len)
+    task = Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, device)
+    (_, batch), = held_out(val, task, 1, cfg.train.batch_size)
+
+    def step():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = task.loss(model, batch)
+        (loss + collect_aux_loss(model)).backward()
+    print_breakdown(trace_step(step, out_dir), sys.stdout)
+    print(f"wrote {os.path.join(out_dir, 'trace.json')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The pipeline split: prune a model to this rank's stages and pick the runner.
+
+Stage k of n (n = pp * stages_per_rank) holds blocks [k*L/n, (k+1)*L/n); stage 0 also the
+embeddings, the last stage the final norm and lm_head; which stages a rank runs is the
+schedule's placement (schedules.py).
+
+The model object is pruned in place to this rank's parts, keeping parameter names
+(blocks.5.attn.wq.weight stays blocks.5...), so checkpoints move between layouts. With more
+than one stage per rank, each stage runs through a shallow "shell" of the model that shares
+its submodules. Every stage's MoE aux losses reach backward: each MoE layer's output is
+wrapped so its backward also starts the aux loss's backward (moe.aux.inject_aux_loss),
+because only the last stage sees the task loss.
+"""
+import copy
+
+import torch.nn as nn
+
+from models.blocks import blocks
+from moe.aux import inject_aux_loss
+
+from .runner import PipelineRunner
+from .schedules import SCHEDULES
+from .twobw import TwoBWRunner
+
+
+def _keep_blocks(blocks: nn.ModuleList, keep: list) -> nn.ModuleList:
+    """A ModuleList holding only `keep` indices, under their original names."""
+    out = nn.ModuleList()
+    for i in keep:
+        out._modules[str(i)] = blocks[i]
+    return out
+
+
+def _layers_of(stage: int, n_layers: int, num_stages: int) -> list:
+    per = n_layers // num_stages
+    return list(range(stage * per, (stage + 1) * per))
+
+
+def _shell(model, stage: int, num_stages: int, blocks: list):
+    shell = copy.copy(model)  # shares submodules, parameters and hooks of the pruned model
+    shell._modules = dict(model._modules)
+    shell.blocks = _keep_blocks(model.blocks, blocks)
+    if stage != 0:
+        shell.tok_emb, shell.pos_emb = None, None
+    if stage != num_stages - 1:
+        shell.norm, shell.lm_head = None, None
+    return shell
+
+
+def split_pipeline(model, plan, meshes, loss_fn):
+    """Prune `model` to this pp rank's stages; return a PipelineRunner (schedule built lazily)."""
+    if loss_fn is None:
+        raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
+    n_layers, n = len(blocks(model)), plan.num_stages
+    stages = plan.stages_of(meshes.pp_rank)
+    per_stage = {s: _layers_of(s, n_layers, n) for s in stages}
+    chunks = [_shell(model, s, n, per_stage[s]) for s in stages]
+    keep = sorted(i for s in stages for i in per_stage[s])
+    model.blocks = _keep_blocks(model.blocks, keep)
+    if 0 not in stages:
+        model.tok_emb, model.pos_emb = None, None
+    if n - 1 not in stages:
+        model.norm, model.lm_head = None, None
+    if len(chunks) == 1:
+        chunks = [model]  # the pruned model itself is the stage (FSDP2 root hooks fire)
+    inject_aux_loss(model)
+    runner = TwoBWRunner if SCHEDULES[plan.pp_schedule].asynchronous else PipelineRunner
+    return runner(plan, meshes, model, chunks, stages, loss_fn)

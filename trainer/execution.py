@@ -1,0 +1,157 @@
+"""How one optimizer step runs: one strategy object per execution mode, so the Trainer
+(steps.py) never branches on it.
+
+  Plain          every rank runs the whole model on its rows (dp, tp, ep, etp, ZeRO, ...):
+                 micro-batches with gradient accumulation, reduction at the last backward
+  Pipeline       parallel.pp > 1: the schedule runs the micro-batches; a checkpoint or an
+                 evaluation first drains what is in flight (PipeDream-2BW)
+  ParameterServer parallel.ps_servers > 0: pull, forward/backward, push; the servers step
+                 the optimizer; replicas are settled before evaluation and checkpoints
+
+Each strategy answers: train(tr, n, scale, rec) -> StepResult, the loss of an evaluation
+batch, the evaluation chunking, and what to do before the weights are read (settle) or saved.
+Shapes: B sequences, S sequence length.
+"""
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from moe.aux import collect_aux_loss
+
+from .distributed import barrier
+from .memory import model_state_bytes
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor | float
+    aux: torch.Tensor | float
+    stats: dict                 # {layer name: [RoutingStats]}
+    norm: object = None         # the gradient norm before clipping (None: not taken)
+    skipped: object = False     # False | "overflow" | "diverged"
+    stop: bool = False          # a SIGTERM seen by any rank
+
+
+class Plain:
+    """Every rank runs the whole model on its share of the global batch."""
+
+    def train(self, tr, n: int, scale: float, rec: dict) -> StepResult:
+        """Forward, backward, clip and optimizer step of step n, measured as configured."""
+        par = tr.par
+        counting = par.recording_comm() if tr.cfg.log.comm_bytes else contextlib.nullcontext()
+        peak = tr.peak_memory(n)
+        with counting, peak or contextlib.nullcontext():
+            loss, aux, stats = self._forward_backward(tr, tr.next_batch(), scale)
+            with par.comm_label("other"):
+                overflow = tr.scaler is not None and tr.scaler.unscale_(par.grads())
+                norm = None if overflow else par.clip_grad_norm_(tr.cfg.train.grad_clip)
+                diverged, stop = tr.agree(loss + aux, norm)
+            if not (overflow or diverged):  # a skip leaves weights, optimizer state and schedule
+                tr.optimizer.step()
+                tr.sched.step()
+                par.update_router_bias(tr.cfg.moe.bias_update_rate)
+        if n == tr.first_step:  # what this rank holds, by device, read from the tensors
+            rec["model_state_bytes"] = model_state_bytes(tr.model, par.grads(), tr.optimizer)
+        if peak is not None:
+            rec["peak_mem_bytes"] = peak.peak_bytes
+        loss, aux = par.mean_over_dp(torch.stack([loss, aux])).tolist()
+        skipped = "overflow" if overflow else "diverged" if diverged else False
+        return StepResult(loss, aux, stats, norm, skipped, stop)
+
+    def _forward_backward(self, tr, batch, scale: float):
+        """(mean task loss, mean aux loss, {layer: [RoutingStats]}) of this rank's rows, run
+        in micro-batches; the gradient reduction runs in the last one's backward."""
+        rows = tr.rows_per_rank
+        micro = tr.task.split(batch, rows // (tr.cfg.train.micro_batch_size or rows))
+        loss_sum = aux_sum = torch.zeros((), device=tr.ctx.device)
+        stats = {name: [] for name, _ in tr.moe}
+        for i, part in enumerate(micro):
+            tr.par.set_grad_sync(i == len(micro) - 1)
+            loss = tr.task.loss(tr.model, part)
+            aux = collect_aux_loss(tr.model).to(loss.device)
+            ((loss + aux) * (scale / len(micro))).backward()
+            loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + aux.detach()
+            for name, layer in tr.moe:
+                if layer.last_stats is not None:
+                    stats[name].append(layer.last_stats)
+        tr.par.finish_backward()
+        return loss_sum / len(micro), aux_sum / len(micro), stats
+
+    def eval_chunk(self, tr) -> tuple:
+        """(rows per evaluation forward, whole chunks only)."""
+        return tr.cfg.train.micro_batch_size or tr.rows_per_rank, False
+
+    def eval_loss(self, tr, batch) -> torch.Tensor:
+        return tr.task.loss(tr.model, batch)
+
+    def settle(self, tr, n: int) -> None:
+        """Before the weights are read (evaluation, checkpoint): nothing to do."""
+
+    def before_save(self, tr, n: int) -> None:
+        """Before a checkpoint: nothing to do."""
+
+
+class Pipeline(Plain):
+    """parallel.pp > 1: the schedule runs forward and backward of the micro-batches."""
+
+    def _forward_backward(self, tr, batch_BS1, scale: float):
+        """The schedule's forward+backward, then (inside pipeline_step) the reduction once."""
+        total = tr.par.pipeline_step(batch_BS1[:, :-1], batch_BS1[:, 1:])
+        # the runner returns task + aux; split off the aux part, summed over the stages
+        aux = tr.par.pipeline_aux_loss().to(total.device)
+        stats = {name: [layer.last_stats] for name, layer in tr.moe if layer.last_stats is not None}
+        return total.detach() - aux, aux, stats
+
+    def eval_chunk(self, tr) -> tuple:
+        # the schedule splits each chunk into its fixed micro-batch count: the training shape
+        return tr.rows_per_rank, True
+
+    def eval_loss(self, tr, batch) -> torch.Tensor:  # every pp rank gets the last stage's loss
+        return tr.par.pipeline.evaluate(batch[:, :-1], batch[:, 1:])
+
+    def before_save(self, tr, n: int) -> None:
+        tr.par.pipeline.drain()  # 2bw: finish the backwards in flight (a no-op otherwise)
+
+
+class ParameterServer(Plain):
+    """parallel.ps_servers > 0: workers meet only at the servers (no collective per step)."""
+
+    def __init__(self, client):
+        self.client = client    # parallel.data_parallel.param_server.PSClient
+        self.settled = None     # the step after which the replicas were last settled
+
+    def train(self, tr, n: int, scale: float, rec: dict) -> StepResult:
+        """Pull (waiting as the consistency rule says), forward, backward, push; the servers
+        step the optimizer. The loss returned is the mean over workers (s = 0) or its own."""
+        rec["ps_staleness"] = self.client.pull(n)
+        loss, aux, stats = self._forward_backward(tr, tr.next_batch(), 1.0)
+        loss, aux, norm, skipped = self.client.push(n, tr.sched.get_last_lr(), loss, aux,
+                                                    tr.cfg.train.grad_clip)
+        tr.sched.step()
+        rec["ps_bytes"] = self.client.take_traffic()
+        stop = tr.stop_request is not None and tr.stop_request.requested
+        return StepResult(loss, aux, stats, norm, "diverged" if skipped else False, stop)
+
+    def settle(self, tr, n: int) -> None:
+        """Every worker has pushed step n (a barrier), then each pulls the weights after it,
+        so all replicas hold the same values. Once per step (an evaluation and a checkpoint
+        at the same step share it)."""
+        if self.settled == n:
+            return
+        self.settled = n
+        barrier(tr.ctx)
+        self.client.pull(n + 1)
+        self.client.take_traffic()  # (counted with the step, not here)
+
+    def before_save(self, tr, n: int) -> None:
+        """The servers' state into this replica: the checkpoint is an ordinary one."""
+        self.settle(tr, n)
+        self.client.fetch_state(tr.optimizer)
+
+
+def execution_for(par, ps_client=None):
+    """The strategy of this layout."""
+    if ps_client is not None:
+        return ParameterServer(ps_client)
+    return Pipeline() if par.pipeline is not None else Plain()

@@ -1,0 +1,206 @@
+"""The training run assembled: config -> process group -> data -> model -> layout -> steps
+(the Trainer, steps.py, runs them).
+
+Every rank checks the config, prepares (rank 0) or finds the token files, builds the model
+on the meta device, applies the layout (parallel.parallelize), builds the optimizer and
+schedule, resumes from a checkpoint when asked, and hands the steps to the Trainer with the
+layout's execution strategy (execution.py). The parameter server's RPC lives for the run.
+"""
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import models
+from data.prepare import prepared_dir
+from data.sampler import BatchSampler, open_split
+from optim import DynamicLossScaler, WarmupCosine, build_optimizer
+from parallel.apply import parallelize
+from parallel.mesh import build_meshes
+
+from . import checkpoint, lock
+from .config import ConfigError, to_toml, validate
+from .distributed import barrier, init_distributed, shutdown
+from .execution import execution_for
+from .metrics import MetricsLogger
+from .model import build_model, init_fn, task_arch
+from .run_dir import AUTO, clear_run, prepare_run, remove_unused_auto_dir
+from .steps import Trainer
+from .stops import StopRequest, Stopped
+from .tasks import Task, sentinels_needed, token_loss
+
+def run(cfg) -> int:
+    """Train according to `cfg` (a trainer.config.Config). ConfigError for user mistakes."""
+    ctx = init_distributed(cfg.run.device, cfg.run.dist_timeout_s)
+    ok = False
+    try:
+        code = _run(cfg, ctx)
+        ok = True
+        return code
+    except Stopped:
+        ok = True  # every rank stops at the same step: the ordinary (barrier) teardown is safe
+        raise
+    finally:
+        shutdown(ctx, ok)
+
+
+def _prepare_data(cfg, ctx) -> Path:
+    """Rank 0 prepares (or finds) the token files; the others then find its cache entry.
+    A failure on rank 0 is sent to every rank so all stop with the same error."""
+    error = None
+    if ctx.is_main:
+        try:
+            prepared_dir(cfg.data)
+        except (OSError, ValueError, RuntimeError) as e:
+            error = str(e)
+    if ctx.distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(f"data preparation failed: {error}")
+    return prepared_dir(cfg.data)
+
+
+def _check_vocab(cfg, data_dir, arch: str) -> None:
+    from data.tokenizer import load_tokenizer
+    vocab = need = load_tokenizer(data_dir).vocab_size
+    why = f"the tokenizer's vocabulary ({vocab}, data.tokenizer={cfg.data.tokenizer!r})"
+    if arch == "switch":
+        need = vocab + sentinels_needed(cfg.data.seq_len, cfg.data)
+        why += f" plus {need - vocab} span-corruption sentinel ids"
+    from models.hf_build import pretrained_vocab_size
+    have = pretrained_vocab_size(cfg.hf)
+    if have is not None and have < need:
+        raise ConfigError(f"hf.pretrained={cfg.hf.pretrained!r} has vocab_size={have}, smaller than "
+                          f"{why}; use a model with at least {need} token ids")
+    if have is None and cfg.model.vocab_size < need:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {why}; set "
+                          f"model.vocab_size={need} or more")
+
+
+def check_splits(cfg, train_sequences: int, val_sequences: int, dp: int) -> None:
+    """Before step 1 (not at the first evaluation, hours in): each split must feed the layout.
+    Every data-parallel rank evaluates at least one validation sequence; a global batch needs
+    that many distinct training sequences."""
+    d = cfg.data
+    fix = (f"lower data.seq_len={d.seq_len}, raise data.max_bytes={d.max_bytes} (0 = all) or "
+           f"use a larger data.source")
+    if train_sequences < cfg.train.batch_size:
+        raise ConfigError(f"the training split has {train_sequences} sequences of {d.seq_len} "
+                          f"tokens, fewer than train.batch_size={cfg.train.batch_size}; {fix}")
+    needs_val = cfg.train.eval_every > 0 or cfg.log.profile_every > 0
+    if needs_val and val_sequences < dp:
+        raise ConfigError(f"the validation split has {val_sequences} sequence(s) of {d.seq_len} "
+                          f"tokens, fewer than the {dp} data-parallel ranks that evaluate; raise "
+                          f"data.val_fraction={d.val_fraction}, {fix}, or set train.eval_every=0")
+
+
+def _run(cfg, ctx) -> int:
+    plan = validate(cfg, ctx.world_size)
+    fresh_auto = cfg.run.dir == AUTO
+    cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0; locked
+    fresh_auto = fresh_auto and resume_from is None
+    ok = False
+    try:
+        code = _train(cfg, ctx, plan, resume_from)
+        ok = True
+        return code
+    finally:
+        if ctx.is_main:
+            lock.release(cfg.run.dir)
+            if fresh_auto and not ok:
+                remove_unused_auto_dir(Path(cfg.run.dir))
+
+
+def _train(cfg, ctx, plan, resume_from) -> int:
+    run_dir = Path(cfg.run.dir)
+    data_dir = _prepare_data(cfg, ctx)
+    arch = task_arch(cfg)
+    _check_vocab(cfg, data_dir, arch)
+    barrier(ctx)  # every rank has checked the run dir before rank 0 changes it
+    if ctx.is_main:
+        if cfg.run.overwrite:
+            clear_run(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    train_file = open_split(data_dir, "train", cfg.data.seq_len)
+    val_file = open_split(data_dir, "val", cfg.data.seq_len)
+    check_splits(cfg, train_file.num_sequences, val_file.num_sequences, plan.dp)
+
+    torch.manual_seed(cfg.train.seed)
+    meshes = build_meshes(plan, ctx.device.type) if ctx.distributed else None
+    # built on meta, materialised by parallelize after the split/sharding: no rank ever
+    # holds the whole model
+    par = parallelize(build_model(cfg, ctx.device), plan, meshes, loss_fn=token_loss,
+                      init_fn=init_fn(cfg, ctx.device))
+    optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
+    sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
+                         cfg.train.min_lr_ratio)
+    scaler = DynamicLossScaler(init_scale=cfg.train.loss_scale_init) \
+        if plan.precision == "fp16" else None
+    sampler = BatchSampler(train_file.num_sequences, cfg.train.batch_size, cfg.train.seed,
+                           par.dp_rank, par.dp_size)
+    start = 0
+    if resume_from is not None:
+        try:
+            info = checkpoint.load(ctx, resume_from, par, optimizer)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"cannot resume from {resume_from}: {e}") from None
+        sampler.load_state_dict(info["sampler"])
+        sched.load_state_dict(info["scheduler"])
+        if scaler is not None and "loss_scaler" in info:
+            scaler.load_state_dict(info["loss_scaler"])
+        start = info["step"]
+    if ctx.is_main:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
+    with StopRequest() as stop_request, contextlib.closing(log), \
+            _parameter_server(cfg, ctx, plan, par, optimizer, start + 1) as ps:
+        _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
+        trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
+                          (train_file, val_file), log,
+                          Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device),
+                          execution_for(par, ps), first_step=start + 1, stop_request=stop_request)
+        for step in range(start + 1, cfg.train.steps + 1):
+            trainer.step(step)
+    return 0
+
+
+@contextlib.contextmanager
+def _parameter_server(cfg, ctx, plan, par, optimizer, first_step: int):
+    """parallel.ps_servers > 0: host this rank's shard, start RPC, yield the worker's client
+    (started from the model and optimizer as they are: fresh, or loaded from a checkpoint);
+    None otherwise."""
+    if not plan.ps_servers:
+        yield None
+        return
+    from parallel.data_parallel import param_server
+    client = param_server.start(par.model, optimizer, plan.ps_servers, plan.ps_staleness,
+                                ctx.rank, ctx.world_size, param_server.default_init_method(),
+                                per_expert=cfg.train.optimizer != "adafactor", first_step=first_step)
+    try:
+        yield client
+    except BaseException:
+        param_server.stop(ctx.rank, plan.ps_servers, graceful=False)
+        raise
+    param_server.stop(ctx.rank, plan.ps_servers)
+
+
+def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> None:
+    counts = models.count_params(model)
+    log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout {plan.summary()}")
+    log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
+             f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
+             f"{len(models.moe_layers(model))} MoE layer(s)")
+    layers = models.moe_layers(model)
+    if layers:  # the routing semantics the run trains with (adopted models: from their config)
+        log.info(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")
+    forced = [layer for _, layer in layers if layer.force_balance]
+    if forced:
+        log.info(f"WARNING: moe.force_balance=true in {len(forced)} MoE layer(s): routing is "
+                 f"forced to an even spread (benchmarking only; losses are not a real model's)")
+    log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
+             f"{cfg.data.seq_len} tokens)")
+    if resume_from is not None:
+        log.info(f"resumed from {resume_from}")

@@ -1,0 +1,188 @@
+"""The Trainer: one optimizer step, its record, and what is due after it.
+
+`Trainer.step(n)` reads top-down: the training step (the layout's execution strategy,
+execution.py: plain, pipeline or parameter server), the record (loss, tokens/s, norms,
+communication bytes, loss scale), evaluation when due, the log line, then MoE statistics,
+the expert-load profile, a checkpoint, a stop. Everything layout-specific goes through the
+parallel.Parallelized handle `par` or the strategy: this file calls no collective itself.
+Under fp16 a DynamicLossScaler (optim/loss_scale.py) scales the loss and skips steps whose
+gradients overflow.
+"""
+import time
+
+import torch
+
+import models
+from moe.aux import reset_balance_windows
+from moe.stats import merge_stats
+
+from . import checkpoint
+from .config import to_dict
+from .distributed import any_rank
+from .evaluation import held_out
+from .memory import PeakMemory, model_state_bytes
+from .stops import Diverged, Preempted
+
+
+class Trainer:
+    """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
+
+    def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
+                 execution, first_step: int, stop_request=None):
+        self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
+        self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
+        (self.train_file, self.val_file), self.log, self.task = files, log, task
+        self.execution = execution  # execution.Plain | Pipeline | ParameterServer
+        self.moe = models.moe_layers(par.model)
+        self.first_step = first_step  # model_state_bytes are logged on it
+        self.stop_request = stop_request  # SIGTERM seen by this process
+        self.in_a_row = 0  # consecutive steps skipped as non-finite
+        self.last_saved = None
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.cfg.train.batch_size // self.par.dp_size
+
+    def step(self, n: int) -> None:
+        """Train step n, log it, then whatever is due after it (evaluation, MoE statistics,
+        profile, checkpoint) and a SIGTERM stop."""
+        t0 = time.perf_counter()
+        scale = self.scaler.scale_value if self.scaler is not None else 1.0
+        lr = self.sched.get_last_lr()
+        rec = {"step": n}
+        r = self.execution.train(self, n, scale, rec)
+        dt = time.perf_counter() - t0
+        tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
+        rec.update(loss=r.loss, aux_loss=r.aux, lr=lr,
+                   grad_norm=None if r.skipped else float(r.norm),
+                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=bool(r.skipped))
+        if r.skipped == "diverged":
+            rec["skip_reason"] = "non-finite loss or gradient norm"
+        self._record_comm(rec)
+        if self.scaler is not None:
+            self._update_loss_scale(n, scale, r.skipped == "overflow", rec)
+        self._count_divergence(n, r.skipped == "diverged", r.skipped == "overflow")
+        if self._due(n, self.cfg.train.eval_every, at_end=self.cfg.train.eval_every > 0) \
+                and not self.in_a_row:
+            rec["val_loss"] = self.evaluate(n)
+        self.log.log_step(rec)
+        if self.in_a_row:
+            self._stop_if_diverged(n)
+        self._after_step(n, r.stats, r.stop)
+
+    # ------------------------------------------------------------ what the strategies use
+    def next_batch(self):
+        """This rank's rows of the next global batch, prepared, with the step's gradients
+        cleared and the global_batch balance window reset."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)  # ZeRO: the slices' / host masters' grads
+        self.model.zero_grad(set_to_none=True)      # and the model's (left by a skipped step)
+        idx = self.sampler.next_indices()
+        batch = self.task.prepare(self.train_file.batch(idx), idx)
+        reset_balance_windows(self.model)  # global_batch balance: one window per optimizer step
+        return batch
+
+    def peak_memory(self, n: int):
+        """A PeakMemory for the step after the first (the first that starts with optimizer
+        state: the steady state) when log.peak_mem, else None: its per-op hook stays off.
+        Its baseline is the parameters and optimizer state held before the step (the
+        step's zero_grad frees the old gradients first)."""
+        if not (self.cfg.log.peak_mem and n == min(self.first_step + 1, self.cfg.train.steps)):
+            return None
+        held = model_state_bytes(self.model, [], self.optimizer)
+        baseline = sum(held["params"].values()) + sum(held["optimizer"].values())
+        return PeakMemory(self.ctx.device, baseline)
+
+    def agree(self, total_loss: torch.Tensor, norm):
+        """(diverged, stop) the same on every rank: a non-finite loss or gradient norm on any
+        rank, a SIGTERM received by any rank. One all-reduce per step."""
+        bad = not bool(torch.isfinite(total_loss.detach()).all())
+        if norm is not None:
+            bad = bad or not bool(torch.isfinite(norm))
+        return any_rank(self.ctx, [bad, self.stop_request.requested])
+
+    # ------------------------------------------------------------ the record
+    def _record_comm(self, rec: dict) -> None:
+        if not self.cfg.log.comm_bytes:
+            return
+        ledger = self.par.ledger
+        rec["comm_bytes"] = ledger.take() if ledger is not None else {}
+        if ledger is not None and ledger.multi_node:
+            rec["comm_bytes_inter_node"] = ledger.take_inter_node()
+
+    def _update_loss_scale(self, n: int, scale: float, overflow: bool, rec: dict) -> None:
+        self.scaler.update(overflow)
+        rec["loss_scale"] = scale
+        if overflow:
+            rec["skip_reason"] = "fp16 gradient overflow"
+            self.log.info(f"step {n}: fp16 gradient overflow, step skipped; loss scale "
+                          f"{scale:g} -> {self.scaler.scale_value:g}")
+
+    def _count_divergence(self, n: int, diverged: bool, overflow: bool) -> None:
+        if diverged:
+            self.in_a_row += 1
+            limit = self.cfg.train.max_skipped_steps
+            self.log.info(f"step {n}: non-finite loss or gradient norm, step skipped "
+                          f"({self.in_a_row} in a row" + (f", stop at {limit})" if limit else ")"))
+        elif not overflow:  # fp16 overflows are the loss scaler's business, not divergence
+            self.in_a_row = 0
+
+    def _stop_if_diverged(self, n: int) -> None:
+        limit = self.cfg.train.max_skipped_steps
+        if limit and self.in_a_row >= limit:
+            good = checkpoint.latest(self.cfg.run.dir)
+            raise Diverged(f"training diverged: non-finite loss or gradient norm in {self.in_a_row} "
+                           f"consecutive steps, the last at step {n} (train.max_skipped_steps="
+                           f"{limit}); last good checkpoint: {good or 'none'}; lower train.lr or "
+                           f"resume from it with train.resume=true")
+
+    def _due(self, n: int, every: int, at_end: bool = True) -> bool:
+        return (every > 0 and n % every == 0) or (at_end and n == self.cfg.train.steps)
+
+    # ------------------------------------------------------------ after the step
+    def _after_step(self, n: int, stats: dict, stop: bool) -> None:
+        """MoE statistics and profile when due, a checkpoint when due or stopping, the stop."""
+        # a collective: decided from the config, not from this rank's (pipeline stage's) layers
+        if self._due(n, self.cfg.log.moe_stats_every, at_end=False) and self.cfg.moe.every > 0:
+            self.log.log_moe(n, self.par.sum_routing_stats(
+                {name: merge_stats(s) for name, s in stats.items() if s}))
+        if self._due(n, self.cfg.log.profile_every, at_end=False) and self.cfg.moe.every > 0:
+            from .expert_load import profile_at_step
+            profile_at_step(self, n)
+        if stop or self._due(n, self.cfg.checkpoint.every, at_end=self.cfg.checkpoint.at_end):
+            self.save(n)
+        if stop:
+            raise Preempted(f"stopped by SIGTERM after step {n}"
+                            + (f"; checkpoint {self.last_saved} saved" if self.last_saved else "")
+                            + "; continue with train.resume=true")
+
+    @torch.no_grad()
+    def evaluate(self, n: int) -> float:
+        """Mean task loss over the held-out set (evaluation.held_out), the same on every rank."""
+        self.execution.settle(self, n)
+        self.model.eval()
+        chunk, whole = self.execution.eval_chunk(self)
+        total, rows = torch.zeros((), device=self.ctx.device), 0
+        for count, batch in held_out(self.val_file, self.task, self.cfg.train.eval_batches,
+                                     self.cfg.train.batch_size, self.par.dp_rank,
+                                     self.par.dp_size, chunk, whole):
+            total += self.execution.eval_loss(self, batch).to(total.device) * count
+            rows += count
+        self.model.train()
+        return float(self.par.mean_over_dp((total / rows).reshape(1))[0])
+
+    def save(self, n: int) -> None:
+        if self.in_a_row:  # the weights may already be damaged: keep the last good checkpoint
+            self.log.info(f"step {n}: no checkpoint while steps are being skipped as non-finite")
+            return
+        plan = self.par.plan
+        self.execution.before_save(self, n)
+        state = {"scheduler": self.sched.state_dict(), "sampler": self.sampler.state_dict(),
+                 "config": to_dict(self.cfg),
+                 "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "etp", "zero")}}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer, state,
+                               self.cfg.checkpoint.keep)
+        self.last_saved = path
+        self.log.info(f"saved checkpoint {path}")
