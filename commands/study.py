@@ -12,7 +12,7 @@ give the dense size law that turns losses into effective dense multipliers.
 
 Each point is an ordinary run directory DIR/<point> (train.py, checkpoints every evaluation):
 a rerun skips finished points and resumes an interrupted one. Results: DIR/study.json,
-DIR/study.csv, DIR/study.png (trainer/study_fit.py: curves, fits). --nproc P runs each point
+DIR/study.csv, DIR/study.png (commands/study_fit.py: curves, fits). --nproc P runs each point
 under torchrun with P processes (e.g. with parallel.ep=2: each MoE point uses ep = gcd(ep, E);
 layouts compute the same function, so the numbers are those of one process).
 """

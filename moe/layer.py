@@ -177,7 +177,7 @@ class MoELayer(nn.Module):
     def set_shared_run_outside(self) -> None:
         """forward no longer adds shared_experts(x): the caller runs them on its own layout
         and adds their output (2-D tensor parallelism splits them over its grid where the
-        routed experts get whole tokens: parallel/tensor2d.py). The parameters stay here."""
+        routed experts get whole tokens: parallel/tensor/grid.py). The parameters stay here."""
         if self.shared_experts is None:
             raise ValueError("set_shared_run_outside: this layer has no shared experts")
         self.shared_run_outside = True

@@ -4,7 +4,7 @@
 Shapes: E experts, P ranks of the expert-parallel group, L = E/P local experts.
 Rank r of P keeps global experts [r*L, (r+1)*L) of every MoE layer; tokens reach them by the
 all-to-all of moe/ep_dispatcher.py. Groups come from parallel/mesh.py (the "ep" dim);
-gradient reduction of the expert slices (over "edp") is parallel/grad_sync.py's.
+gradient reduction of the expert slices (over "edp") is parallel/data_parallel/grad_sync.py's.
 A layer built with replica_slots=R > 0 also serves replicas of each step's hottest experts
 (moe/placement.py, moe/ep_dispatcher.py): fetched from the owners every forward, their
 gradients summed into the owners in backward, so nothing here (checkpoints, gradient sync)

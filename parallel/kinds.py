@@ -5,8 +5,8 @@
   pool    a MoE layer's router and shared experts (reduced over the dp x tp token pool)
   expert  a MoE layer's expert bank, MoELayer.experts (reduced over the expert-data-parallel
           copies; sharded by expert parallelism; per-expert units for the parameter server)
-Gradient sync (data_parallel/grad_sync.py), ZeRO, the norm (grads.py), the parameter server
-(data_parallel/param_server/units.py) and the planner (planner/flops.py) all ask here.
+Gradient sync (data_parallel/data_parallel/grad_sync.py), ZeRO, the norm (grads.py), the parameter server
+(data_parallel/data_parallel/param_server/units.py) and the planner (planner/flops.py) all ask here.
 """
 import torch
 from torch.distributed.tensor import DTensor

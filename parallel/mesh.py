@@ -7,7 +7,7 @@ P ranks = pp * dp * tp. Three views of the same ranks, each a DeviceMesh with na
   pool   ("pp", "pool"):             the dp*tp ranks of one stage that see distinct tokens in
                                      MoE layers; router (and shared-expert) grads reduce over it.
   grid   ("pp", "dp", "tpd", "tpr", "tpc")  only under tp_mode 2d/2.5d: the tp ranks as
-                                     tp_depth stacked q x q grids (parallel/tensor2d.py).
+                                     tp_depth stacked q x q grids (parallel/tensor/grid.py).
 Rank r sits at dense[r // (dp*tp), (r // tp) % dp, r % tp]; the pool index is r % (dp*tp) and
 the expert coordinates are (pool // (ep*etp), (pool // etp) % ep, pool % etp), the grid
 coordinates of tp rank t are (t // (q*q), (t // q) % q, t % q), so with

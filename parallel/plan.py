@@ -230,7 +230,7 @@ def _check_ep(p: ParallelPlan) -> None:
 
 
 def _check_tp_mode(p: ParallelPlan) -> None:
-    """2d: tp = q*q; 2.5d: tp = q*q*tp_depth (parallel/tensor2d.py), with the combinations
+    """2d: tp = q*q; 2.5d: tp = q*q*tp_depth (parallel/tensor/grid.py), with the combinations
     the grid layout does not serve refused."""
     d = p.tp_depth
     if not isinstance(d, int) or isinstance(d, bool) or d < 1:
@@ -255,7 +255,7 @@ def _check_tp_mode(p: ParallelPlan) -> None:
 
 
 def _check_2bw(p: ParallelPlan) -> None:
-    """PipeDream-2BW runs its own schedule (parallel/pipedream.py) over one stage per rank and
+    """PipeDream-2BW runs its own schedule (parallel/pipeline/twobw.py) over one stage per rank and
     applies the optimizer to whole, untied, fp32 stage weights; what it does not serve is refused."""
     if p.pp_schedule != "2bw" or p.pp == 1:
         return

@@ -1,6 +1,6 @@
 """The one flatten / all-reduce / copy-back loop, and the reductions built on it.
 
-Shapes: E experts. Used for gradients (parallel/grad_sync.py), expert loads for the
+Shapes: E experts. Used for gradients (parallel/data_parallel/grad_sync.py), expert loads for the
 aux-loss-free bias update, routing statistics for logging, and per-rank scalars.
 """
 import torch

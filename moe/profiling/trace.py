@@ -1,6 +1,6 @@
 """Timing profile of one training step: a torch.profiler trace with the MoE phases as named
 ranges (moe.router, moe.dispatch, moe.all_to_all, moe.experts, moe.combine,
-moe.shared_experts; recorded by moe/layer.py and parallel/all_to_all.py) and a breakdown.
+moe.shared_experts; recorded by moe/layer.py and moe/all_to_all.py) and a breakdown.
 
 Forward ranges are timed directly; the backward is reported as one total (autograd runs
 it outside the forward's ranges). moe.all_to_all is nested inside moe.dispatch/combine.

@@ -9,7 +9,7 @@ dp (the number of distinct data streams; tp ranks share a stream and its loss):
          already summed the tokens of the ep group into each local expert's gradient)
 The reduction runs once, at the end of the backward that has it enabled (an autograd
 callback, like DDP): zero 0/1 all-reduce the full gradients, zero 2 hands over to
-ZeroState.after_backward (reduce-scatter into slices). zero 3 is FSDP2's (parallel/fsdp.py).
+ZeroState.after_backward (reduce-scatter into slices). zero 3 is FSDP2's (parallel/data_parallel/fsdp.py).
 """
 import torch
 from torch.distributed.tensor import DTensor

@@ -128,7 +128,7 @@ class TwoBWRunner(PipelineRunner):
         last = self.stage == self.p - 1
         return self._total_loss(self.losses.pop(batch, []) if last else [], last)
 
-    # ---- point to point (parallel/pipeline.py's header protocol; sends do not block)
+    # ---- point to point (parallel/pipeline/'s header protocol; sends do not block)
     def _send(self, h, stage: int) -> None:
         dst = dist.get_global_rank(self.group, stage)
         self.sends = [w for w in self.sends if not w.is_completed()]  # (their tensors freed)

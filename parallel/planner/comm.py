@@ -12,7 +12,7 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     in backward (the root once: it stays gathered), one reduce-scatter of the padded grads;
     hpZ units gather again in backward over their node's zeropp_hpz ranks from the
     secondary shard (unit bytes / hpz; the root too, it reshards to the node after forward)
-  ZeRO++ (parallel/zeropp.py): qwZ gathers and qgZ reduce-scatters send int8 blocks of 256
+  ZeRO++ (parallel/data_parallel/zeropp.py): qwZ gathers and qgZ reduce-scatters send int8 blocks of 256
     plus an fp32 scale each: ceil(n / 256) x 260 bytes for n fp32 values (per chunk of the
     reduce-scatter, which is an all-to-all of P such chunks); offload moves no bytes here
   tied embedding (pp > 1): all-reduce of the held gradient of the shared weight
@@ -30,7 +30,7 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     final norm / head gather b (S/tp) D; logits gather b S (V/tp); the sequence split's
     backward gather b (S/tp) D; replicated norm weights' gradient all-reduce; recompute
     repeats the forward collectives of every block
-  tensor parallel 2d/2.5d (parallel/tensor2d.py), per micro-batch, T = b S / (d q) tokens of
+  tensor parallel 2d/2.5d (parallel/tensor/grid.py), per micro-batch, T = b S / (d q) tokens of
     this rank's grid row, r = 4 (the residual stream and norm outputs stay fp32), a the
     matmul outputs' bytes, w = 4 (fp32 weights are gathered before any autocast cast):
     column (tpc): each norm's statistic all-reduces, forward and backward, T x 4 each (one
@@ -223,7 +223,7 @@ def _tensor(w, plan, state, book, out, events) -> None:
 
 
 def _grid_tensor(w, plan, state, book) -> None:
-    """parallel/tensor2d.py's collectives (see the module docstring for the terms)."""
+    """parallel/tensor/grid.py's collectives (see the module docstring for the terms)."""
     a, m, q, d = act_bytes(plan.precision), micro_count(w, plan), plan.tp_grid, plan.tp_depth
     mc = w.model_cfg
     T = micro_seqs(w, plan) * w.stream_tokens["decoder"] / (d * q)

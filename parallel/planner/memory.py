@@ -158,7 +158,7 @@ def activations(w, plan, state, stage: int) -> Activations:
 
 
 def stashed_bytes(state, plan) -> int:
-    """PipeDream-2BW (parallel/pipedream.py) holds one more weight-sized set per stage: the
+    """PipeDream-2BW (parallel/pipeline/twobw.py) holds one more weight-sized set per stage: the
     stashed version the in-flight backwards of the previous step use (stages before the
     last), or the last stage's gradient of the current step awaiting its delayed update."""
     return state.params.bytes if plan.pp > 1 and plan.pp_schedule == "2bw" else 0

@@ -133,7 +133,7 @@ def _replicated_tp(model) -> int:
 
 
 def _grid_grad_sums(model) -> dict:
-    """parallel/tensor2d.py's gradients are Partial over the grid dims a parameter is
+    """parallel/tensor/grid.py's gradients are Partial over the grid dims a parameter is
     replicated on; the gradient sync all-reduces them there (one per dim of size > 1)."""
     from torch.distributed.tensor import DTensor, Replicate
     out = {}

@@ -1,4 +1,4 @@
-"""The autograd collectives of tensor parallelism (parallel/tensor.py, parallel/tensor2d.py).
+"""The autograd collectives of tensor parallelism (parallel/tensor/one_d.py, parallel/tensor/grid.py).
 
 Each is one collective forward and its adjoint backward, over a group handed in:
   gather(x, g, dim)          all-gather along dim; backward reduce-scatters (each rank's

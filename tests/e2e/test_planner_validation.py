@@ -7,7 +7,7 @@ metrics.jsonl; the planner predicts rank 0 of the same config and layout. Checke
   communication bytes by ledger kind within 5%            - step 2 (step 1 of a pipeline
       also carries the schedule's one-time shape exchange)
   peak memory within 20%                                   - step 2 (log.peak_mem: a
-      live-tensor counter on CPU, trainer/peak_memory.py)
+      live-tensor counter on CPU, trainer/memory.py)
 Routing is force-balanced (moe.force_balance) so the expert all-to-all has the planner's
 stated imbalance of 1.0. The pipeline layouts print the predicted bubble next to the
 measured step time (not asserted: a 2-core machine running 2-8 processes says little about

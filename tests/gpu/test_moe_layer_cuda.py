@@ -72,7 +72,7 @@ def test_explicit_grouped_mm_with_bad_alignment_fails_in_one_line():
 
 
 def test_cpu_peak_counter_agrees_with_the_cuda_allocator():
-    """trainer/peak_memory.py counts live tensor bytes by dispatch on CPU (no allocator
+    """trainer/memory.py counts live tensor bytes by dispatch on CPU (no allocator
     statistics there). On CUDA the same counter, run on the same step, must agree with the
     allocator's own torch.cuda.max_memory_allocated within 10% (the allocator rounds blocks
     up to 512 bytes and sees library workspaces the counter does not)."""
