@@ -57,7 +57,7 @@ def _batches(cfg, steps, world):
 def _worker(rank, world, job):
     import models
     from moe.aux import collect_aux_loss
-    from parallel import param_server
+    from parallel.data_parallel import param_server
     from optim import build_optimizer
     cfg, batches, staleness, sleep, rotate, rpc_file = job
     model = models.init_weights(models.build_model(cfg.model, cfg.moe, device="meta"), 0, torch.device("cpu"))

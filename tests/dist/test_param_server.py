@@ -54,7 +54,7 @@ def _reference(kind, E, K, steps):
 
 
 def _worker(rank, world, case, rpc_file):
-    from parallel import param_server
+    from parallel.data_parallel import param_server
     kind, E, K, servers, staleness, steps, slow = case
     model_cfg, moe_cfg = dc.configs(num_experts=E, top_k=K)
     model = dc.make_model(model_cfg, moe_cfg)
