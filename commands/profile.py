@@ -45,13 +45,13 @@ def validation_batches(cfg, arch: str, n_batches: int, device):
     from data.sampler import open_split
     from data.tokenizer import load_tokenizer
 
-    from trainer.evaluation import held_out, model_inputs
+    from trainer.evaluation import held_out
     from trainer.tasks import Task
     data_dir = prepared_dir(cfg.data)
     val = open_split(data_dir, "val", cfg.data.seq_len)
     task = Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, device)
     chunks = held_out(val, task, n_batches, cfg.train.batch_size)
-    return (model_inputs(arch, batch) for _, batch in chunks), load_tokenizer(data_dir)
+    return (task.model_inputs(batch) for _, batch in chunks), load_tokenizer(data_dir)
 
 
 def print_summary(report: dict, out) -> None:

@@ -192,6 +192,11 @@ class MoELayer(nn.Module):
         (None: this process only). Handed in by the parallel setup, never read from a global."""
         self.balance.group = group
 
+    def set_sequence_group(self, group) -> None:
+        """Ranks holding parts of the same sequences (context parallelism), over which the
+        sequence balance loss sums per-sequence statistics (None: whole sequences here)."""
+        self.balance.seq_group = group
+
     def reset_balance_window(self) -> None:
         """Start a new global_batch window (call once per optimizer step, before its first
         micro-batch)."""

@@ -57,24 +57,31 @@ def _weights_GS(probs_GSE, mask_GS):
     return mask_GS.to(probs_GSE.dtype)
 
 
-def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None) -> torch.Tensor:
+def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None, seq_group=None) -> torch.Tensor:
     """Per routing group, averaged over groups that hold at least one unmasked token.
 
     With a mask and a balance group, the average runs over the groups of all its ranks
     (world * local sum / global count), so ranks holding different numbers of unpadded
     sequences still average to the one-process loss. Without a mask every rank holds the
     same number of sequences: the local mean is exact and nothing is communicated.
+    With a sequence group (context parallelism: each rank holds part of every sequence)
+    the per-sequence counts are summed over it and each rank returns cp x its part of each
+    sequence's loss, so the mean over the ranks is the one-process loss (and gradient).
     """
-    if mask_GS is None:
+    if mask_GS is None and seq_group is None:
         return load_balance_loss(probs_GSE, ids_GSK)
-    total, n_valid = sequence_terms(probs_GSE, ids_GSK, mask_GS)
+    total, n_valid = sequence_terms(probs_GSE, ids_GSK, mask_GS, seq_group)
+    if mask_GS is None:
+        return total / probs_GSE.shape[0]
     stats, world = all_reduce_stats(n_valid.reshape(1), group)
     n = int(stats[0])
     return total * 0 if n == 0 else world * total / n
 
 
-def sequence_terms(probs_GSE, ids_GSK, mask_GS=None):
-    """(sum over groups with an unmasked token of their loss, number of such groups, long)."""
+def sequence_terms(probs_GSE, ids_GSK, mask_GS=None, seq_group=None):
+    """(sum over groups with an unmasked token of their loss, number of such groups, long).
+    With seq_group, counts and token numbers are the whole sequence's (summed over it) and
+    each group's term is seq_group's size x this rank's part (see sequence_balance_loss)."""
     G, S, E = probs_GSE.shape
     K = ids_GSK.shape[-1]
     w_GS = _weights_GS(probs_GSE, mask_GS)
@@ -83,10 +90,17 @@ def sequence_terms(probs_GSE, ids_GSK, mask_GS=None):
         counts_GE.scatter_add_(1, ids_GSK.reshape(G, S * K),
                                w_GS.unsqueeze(-1).expand(G, S, K).reshape(G, S * K))
     tokens_G = w_GS.sum(dim=1)
+    parts = 1
+    if seq_group is not None:
+        with torch.no_grad():
+            both = torch.cat([counts_GE, tokens_G.detach().unsqueeze(-1)], dim=-1)
+            dist.all_reduce(both, group=seq_group)
+            counts_GE, tokens_G = both[:, :E], both[:, E]
+        parts = dist.get_world_size(seq_group)
     valid_G = tokens_G > 0
     psum_GE = (probs_GSE * w_GS.unsqueeze(-1)).sum(dim=1)
     n_G = tokens_G.clamp_min(1).unsqueeze(-1)
-    per_G = E * (counts_GE / (K * n_G) * psum_GE / n_G).sum(dim=-1)
+    per_G = parts * E * (counts_GE / (K * n_G) * psum_GE / n_G).sum(dim=-1)
     return (per_G * valid_G).sum(), valid_G.sum()
 
 
@@ -130,7 +144,9 @@ class BalanceLoss(nn.Module):
     def __init__(self, variant: str, num_experts: int, top_k: int):
         super().__init__()
         self.variant, self.top_k = variant, top_k
-        self.group = None
+        self.group = None       # ranks whose tokens micro_batch/global_batch pool (and the
+                                # masked sequence variant counts sequences over)
+        self.seq_group = None   # ranks holding parts of the same sequences (context parallel)
         self.register_buffer("window", torch.zeros(num_experts + 1, dtype=torch.long),
                              persistent=False)
 
@@ -139,7 +155,7 @@ class BalanceLoss(nn.Module):
 
     def forward(self, probs_GSE, ids_GSK, mask_GS=None) -> torch.Tensor:
         if self.variant == "sequence":
-            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.group)
+            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.group, self.seq_group)
         stats, psum_E = local_terms(probs_GSE, ids_GSK, mask_GS)
         stats, world = all_reduce_stats(stats, self.group)
         f_stats = stats

@@ -1,5 +1,6 @@
 """parallelize(): apply a ParallelPlan to a single-device model, in the fixed order
-pipeline split -> tensor parallel -> expert parallel -> precision -> recomputation -> compile
+pipeline split -> tensor parallel -> expert parallel -> context parallel -> precision ->
+recomputation -> compile
 -> ZeRO/DP, and return the Parallelized handle the training loop uses (parallelized.py):
 
     plan = ParallelPlan(...).validate(world, model_cfg, moe_cfg, batch_size, seq_len)
@@ -59,6 +60,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if meshes is not None:  # micro_batch / global_batch balance losses count over the token pool
         from moe.aux import set_balance_group
         set_balance_group(model, meshes.group("pool"))
+    if plan.cp > 1:
+        from moe.aux import set_sequence_group
+
+        from .context.apply import apply_context_parallel
+        chunks = par.pipeline.chunks if par.pipeline is not None else ()
+        apply_context_parallel(model, meshes.group("cp"), plan.cp_mode, chunks)
+        set_sequence_group(model, meshes.group("cp"))
     if plan.precision != "fp32":
         from .precision import apply_precision
         apply_precision(model, plan.precision)

@@ -25,7 +25,7 @@ def held_grad(p, zero):
 def weighted_grads(model, plan, kinds: dict, zero, counted_elsewhere=frozenset()):
     """[(local grad, weight)]: weight = 1/replicas of each element among the ranks of a stage
     (0 for a copy whose norm another stage counts)."""
-    pool = plan.dp * plan.tp
+    pool = plan.pool
     out = []
     for p in model.parameters():
         g = held_grad(p, zero)
@@ -35,7 +35,7 @@ def weighted_grads(model, plan, kinds: dict, zero, counted_elsewhere=frozenset()
         split = plan.ep * plan.etp if kind == "expert" else 1  # expert slices: ep x etp pieces
         pieces = split * shard_pieces(g)
         if g is not p.grad:  # a ZeRO-2 slice of the (tp/ep/etp-local) parameter
-            slices = {"dense": plan.dp, "pool": pool, "expert": plan.edp}[kind]
+            slices = {"dense": plan.replicas, "pool": pool, "expert": plan.edp}[kind]
             pieces = split * slices * shard_pieces(p)
         weight = 0.0 if id(p) in counted_elsewhere else 1.0 / max(pool // pieces, 1)
         out.append((local(g), weight))

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = ("dp_grad_reduce", "zero_param_gather", "zero_grad_reduce_scatter", "expert_all_to_all",
          "expert_tensor_parallel", "tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
-         "tensor_parallel_depth", "pipeline", "tied_embedding", "other")
+         "tensor_parallel_depth", "pipeline", "tied_embedding", "context_parallel", "other")
 GRID_KINDS = {"tpd": "tensor_parallel_depth", "tpr": "tensor_parallel_row", "tpc": "tensor_parallel_col"}
 DATA_DIMS = {"dp", "pool", "edp"}
 # op name -> (collective class, index of the argument holding this rank's input)
@@ -81,6 +81,8 @@ def classify(collective: str, dims: set) -> str:
     """The ledger kind of a collective class run on a group that is these mesh dims."""
     if "tied" in dims:
         return "tied_embedding"
+    if "cp" in dims:  # the ring's send/recv or Ulysses' all-to-alls (parallel/context/)
+        return "context_parallel"
     if collective in ("p2p", "recv") or "pp" in dims:
         return "pipeline"
     for dim, kind in GRID_KINDS.items():  # a grid group may also be an ep/edp/pool group
@@ -203,5 +205,7 @@ def mesh_groups(meshes, extra: dict = None) -> dict:
     dims = ("pp", "dp", "tp", "edp", "ep", "etp", "pool")
     if meshes.grid is not None:
         dims += tuple(GRID_KINDS)
+    if meshes.cp_group is not None:
+        dims += ("cp",)
     groups = {dim: meshes.group(dim) for dim in dims}
     return {**groups, **(extra or {})}

@@ -43,7 +43,8 @@ class Parallelized:
     # ------------------------------------------------------------ data layout
     @property
     def dp_rank(self) -> int:
-        return self.meshes.rank("dp") if self.meshes is not None else 0
+        """This rank's row stream (context-parallel ranks of one stream share it)."""
+        return self.meshes.rank("dp") // self.plan.cp if self.meshes is not None else 0
 
     @property
     def dp_size(self) -> int:
@@ -51,6 +52,14 @@ class Parallelized:
 
     def _group(self, name: str):
         return self.meshes.group(name) if self.meshes is not None else None
+
+    def split_sequence(self, x_BS):
+        """This rank's part of [B, S, ...] whole sequences: the balanced chunks of its cp
+        rank (parallel/context/split.py), or x itself without context parallelism."""
+        if self.plan.cp == 1:
+            return x_BS
+        from .context.apply import split_sequence
+        return split_sequence(x_BS, self._group("cp"))
 
     # ------------------------------------------------------------ gradients
     def prepare_optimizer(self, optimizer):
@@ -145,7 +154,7 @@ class Parallelized:
         """Average per-rank values over the data-parallel ranks (tp/pp peers hold equal ones)."""
         out = values.detach().clone()
         if self.meshes is not None:
-            all_reduce_flat([out], self._group("dp"), self.plan.dp)
+            all_reduce_flat([out], self._group("dp"), self.plan.replicas)
         return out
 
     def sum_load(self, load_E: torch.Tensor) -> torch.Tensor:

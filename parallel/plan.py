@@ -22,6 +22,7 @@ from .pipeline.schedules import (MULTI_STAGE_SCHEDULES, PP_SCHEDULES, V_SCHEDULE
 TP_MODES = ("1d", "2d", "2.5d")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
+CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "optimizer", "params")
 def _toml(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
@@ -39,8 +40,10 @@ class ParallelPlan:
     tp_mode: str = field(default="1d", metadata={"help": "tensor-parallel form: 1d (Megatron column/row + sequence parallel) | 2d (Optimus: tp = q*q grid, SUMMA matmuls) | 2.5d (Tesseract: tp = q*q*tp_depth, tp_depth stacked q x q grids)"})
     tp_depth: int = field(default=1, metadata={"help": "2.5d only: number of stacked q x q grids (the batch is split over them, weights replicated)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (number of ranks in the pipeline)"})
-    ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*tp and moe.num_experts"})
-    etp: int = field(default=1, metadata={"help": "expert tensor parallelism: each routed expert's d_ff split over etp ranks (ep*etp must divide dp*tp)"})
+    cp: int = field(default=1, metadata={"help": "context-parallel degree: each sequence split over cp ranks (load-balanced chunks); cp ranks hold copies of the dense weights and fold into expert parallelism (ep divides dp*cp*tp)"})
+    cp_mode: str = field(default="ring", metadata={"help": "context parallelism: ring (key/value blocks around the cp ring, exact log-sum-exp merge) | ulysses (all-to-all into a head split; heads divisible by cp)"})
+    ep: int = field(default=1, metadata={"help": "expert-parallel degree; must divide dp*cp*tp and moe.num_experts"})
+    etp: int = field(default=1, metadata={"help": "expert tensor parallelism: each routed expert's d_ff split over etp ranks (ep*etp must divide dp*cp*tp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
     pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b | zb_interleaved (interleaved zero bubble) | zbv (zero bubble, V-shape stages) | dualpipev (DeepSeek-V3's DualPipe, V-shape) | 2bw (PipeDream-2BW: asynchronous, 2 weight versions, each update uses the gradient of the previous weights)"})
     pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, zb_interleaved, zbv and dualpipev, else 1)"})
@@ -63,6 +66,8 @@ class ParallelPlan:
              f"precision={self.precision}")
         if self.tp_mode != "1d":
             s += f" tp_mode={self.tp_mode}" + (f" tp_depth={self.tp_depth}" if self.tp_mode == "2.5d" else "")
+        if self.cp > 1:
+            s += f" cp={self.cp} cp_mode={self.cp_mode}"
         if self.etp > 1:
             s += f" etp={self.etp}"
         if self.pp > 1:
@@ -74,12 +79,23 @@ class ParallelPlan:
     # ---- derived sizes (valid after validate()) ----
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of one stage and tp position holding the same dense weights: dp x cp (the
+        data-parallel group of gradient reduction and ZeRO; dp of them take distinct rows)."""
+        return self.dp * self.cp
+
+    @property
+    def pool(self) -> int:
+        """Ranks of one stage that route distinct tokens in MoE layers: dp x cp x tp."""
+        return self.dp * self.cp * self.tp
 
     @property
     def edp(self) -> int:
         """Ranks holding the same expert slices (expert-data-parallel degree)."""
-        return self.dp * self.tp // (self.ep * self.etp)
+        return self.pool // (self.ep * self.etp)
 
     @property
     def tp_grid(self) -> int:
@@ -117,6 +133,7 @@ class ParallelPlan:
         plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size),
                                    microbatches=self.microbatches or (self.pp if self.pp > 1 else 1))
         _check_ep(plan)
+        _check_cp(plan)
         _check_tp_mode(plan)
         _check_zero_family(plan)
         _check_prefetch(plan)
@@ -131,6 +148,7 @@ class ParallelPlan:
             _check_batch(plan, batch_size, _has_moe(moe_cfg))
         if seq_len is not None and plan.tp_mode == "1d":
             check_seq_len(seq_len, plan.tp, "data.seq_len")
+            check_cp_seq_len(seq_len, plan.cp, plan.tp, "data.seq_len")
         return plan
 
 
@@ -142,7 +160,8 @@ def _check_choices(p: ParallelPlan) -> None:
     for name, value, choices in (("pp_schedule", p.pp_schedule, PP_SCHEDULES),
                                  ("precision", p.precision, PRECISIONS),
                                  ("tp_mode", p.tp_mode, TP_MODES),
-                                 ("recompute", p.recompute, RECOMPUTE)):
+                                 ("recompute", p.recompute, RECOMPUTE),
+                                 ("cp_mode", p.cp_mode, CP_MODES)):
         if value not in choices:
             raise _err(f"parallel.{name}={value!r} is not supported; use one of {', '.join(choices)}")
     if p.zero not in (0, 1, 2, 3) or isinstance(p.zero, bool):
@@ -156,7 +175,7 @@ def _check_choices(p: ParallelPlan) -> None:
 
 
 def _check_degrees(p: ParallelPlan) -> None:
-    for name in ("tp", "pp", "ep", "etp"):
+    for name in ("tp", "pp", "cp", "ep", "etp"):
         v = getattr(p, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise _err(f"parallel.{name}={v!r} must be an integer >= 1")
@@ -192,10 +211,12 @@ def check_seq_len(seq_len: int, tp: int, where: str) -> None:
 def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
     if not isinstance(world_size, int) or world_size < 1:
         raise _err(f"world_size={world_size!r} must be a positive integer")
-    rest = p.tp * p.pp
+    rest = p.tp * p.pp * p.cp
+    names = "tp*pp" + ("*cp" if p.cp > 1 else "")
+    degrees = f"{p.tp}*{p.pp}" + (f"*{p.cp}" if p.cp > 1 else "")
     if p.dp == -1:
         if world_size % rest:
-            raise _err(f"parallel.tp*pp = {p.tp}*{p.pp} = {rest} does not divide the world size "
+            raise _err(f"parallel.{names} = {degrees} = {rest} does not divide the world size "
                        f"{world_size}; start a multiple of {rest} processes, or choose tp and pp "
                        f"whose product divides {world_size} ({_fitting(p, world_size)})")
         return world_size // rest
@@ -203,10 +224,10 @@ def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
         start = f"start {p.dp * rest} processes (torchrun --nproc-per-node {p.dp * rest})"
         if world_size % rest:  # dp=-1 alone would fail next: name the whole fix at once
             fix = (f"set parallel.dp=-1 together with {_fitting(p, world_size)} (dp=-1 alone is not "
-                   f"enough: tp*pp = {rest} does not divide {world_size})")
+                   f"enough: {names} = {rest} does not divide {world_size})")
         else:
-            fix = f"set parallel.dp=-1 (= {world_size // rest} here, the ranks left after tp*pp)"
-        raise _err(f"parallel.dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.dp * rest} but the world size is "
+            fix = f"set parallel.dp=-1 (= {world_size // rest} here, the ranks left after {names})"
+        raise _err(f"parallel.dp*{names} = {p.dp}*{degrees} = {p.dp * rest} but the world size is "
                    f"{world_size}; {start}, or {fix}")
     return p.dp
 
@@ -214,19 +235,48 @@ def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
 def _fitting(p: ParallelPlan, world_size: int) -> str:
     """The largest tp, pp not above the plan's whose product divides the world size
     (pp is lowered first: tensor parallelism is kept where it fits)."""
-    fits = [(t, q) for t in range(1, p.tp + 1) for q in range(1, p.pp + 1) if world_size % (t * q) == 0]
+    fits = [(t, q) for t in range(1, p.tp + 1) for q in range(1, p.pp + 1)
+            if world_size % (t * q * p.cp) == 0] or [(1, 1)]
     t, q = max(fits, key=lambda tq: (tq[0] * tq[1], tq[0]))
     return f"parallel.tp={t} parallel.pp={q}"
 
 
 def _check_ep(p: ParallelPlan) -> None:
-    if (p.dp * p.tp) % p.ep:
-        raise _err(f"parallel.ep={p.ep} must divide dp*tp = {p.dp}*{p.tp} = {p.dp * p.tp} (experts "
+    pool = "dp*cp*tp" if p.cp > 1 else "dp*tp"
+    sizes = f"{p.dp}*{p.cp}*{p.tp}" if p.cp > 1 else f"{p.dp}*{p.tp}"
+    if p.pool % p.ep:
+        raise _err(f"parallel.ep={p.ep} must divide {pool} = {sizes} = {p.pool} (experts "
                    f"are spread over the ranks of one pipeline stage); lower ep or raise dp")
-    if (p.dp * p.tp) % (p.ep * p.etp):
-        raise _err(f"parallel.ep*etp = {p.ep}*{p.etp} must divide dp*tp = {p.dp}*{p.tp} = "
-                   f"{p.dp * p.tp} (each expert's d_ff is split over etp of one stage's ranks); "
+    if p.pool % (p.ep * p.etp):
+        raise _err(f"parallel.ep*etp = {p.ep}*{p.etp} must divide {pool} = {sizes} = "
+                   f"{p.pool} (each expert's d_ff is split over etp of one stage's ranks); "
                    f"lower etp or raise dp")
+
+
+def _check_cp(p: ParallelPlan) -> None:
+    """Context parallelism composes with dp, ep, etp, 1-D tp (+SP), the synchronous 1F1B family
+    of pipeline schedules, ZeRO 1/2/3, recomputation, bf16 and the a2a overlap; the rest is
+    refused here, before any collective."""
+    if p.cp == 1:
+        return
+    for bad, why in ((p.tp_mode != "1d", f"parallel.tp_mode={p.tp_mode}: the grid splits the sequence "
+                                         f"its own way; use tp_mode='1d'"),
+                     (p.pp > 1 and p.pp_schedule not in ("1f1b", "gpipe", "interleaved_1f1b"),
+                      f"parallel.pp_schedule={p.pp_schedule}: context parallelism runs with the "
+                      f"1F1B family (1f1b, gpipe, interleaved_1f1b)"),
+                     (p.ps_servers > 0, "parallel.ps_servers: the parameter server keeps whole "
+                                        "replicas per worker; set ps_servers=0"),
+                     (p.offload != "none", f"parallel.offload={p.offload}: not combined with "
+                                           f"context parallelism yet; set offload='none'"),
+                     (p.zeropp_quantize_weights or p.zeropp_quantize_grads or p.zeropp_hpz,
+                      "ZeRO++ (parallel.zeropp_*): not combined with context parallelism yet; "
+                      "turn it off"),
+                     (p.compile, "parallel.compile=true: the ring's send/recv are not traced; set "
+                                 "compile=false"),
+                     (p.precision == "fp16", "parallel.precision='fp16': use bf16 (no loss "
+                                             "scaling needed)")):
+        if bad:
+            raise _err(f"parallel.cp={p.cp} with {why}")
 
 
 def _check_tp_mode(p: ParallelPlan) -> None:
@@ -397,6 +447,8 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
                            f"divides it (or change model.{name})")
     if p.tp_mode != "1d":
         _check_grid_model(p, m, moe_cfg)
+    if p.cp > 1:
+        _check_cp_model(p, m, moe_cfg)
     if p.pp > 1 and p.pp_schedule == "2bw" and getattr(m, "tie_embeddings", False):
         raise _err("parallel.pp_schedule=2bw with model.tie_embeddings=true: the first and last "
                    "stage would update one weight from two stashed versions; set "
@@ -418,6 +470,40 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
     if p.etp > 1:
         _check_etp_model(p, m, moe_cfg)
+
+
+def _check_cp_model(p: ParallelPlan, m, moe_cfg) -> None:
+    arch = getattr(m, "arch", "gpt")
+    if arch != "gpt":
+        raise _err(f"parallel.cp={p.cp} is implemented for model.arch='gpt' only (got {arch!r}: "
+                   f"relative-position bias and cross attention over a split sequence are not); "
+                   f"set parallel.cp=1")
+    heads = getattr(m, "n_heads", None)
+    if p.cp_mode == "ulysses" and heads is not None and (heads // p.tp) % p.cp:
+        raise _err(f"parallel.cp_mode=ulysses needs the attention heads per tp rank (model.n_heads="
+                   f"{heads} / parallel.tp={p.tp}) divisible by parallel.cp={p.cp}; use "
+                   f"parallel.cp_mode=ring or a cp dividing {heads // p.tp}")
+    if p.cp_mode == "ring" and getattr(m, "dropout", 0.0) > 0:
+        raise _err(f"parallel.cp_mode=ring with model.dropout={m.dropout}: the ring kernel has no "
+                   f"attention-probability dropout; set model.dropout=0 or parallel.cp_mode=ulysses")
+    if _has_moe(moe_cfg) and moe_cfg.capacity_factor is not None:
+        raise _err(f"moe.capacity_factor={moe_cfg.capacity_factor} with parallel.cp={p.cp}: capacity "
+                   f"is decided per sequence, which cp splits over ranks; use dropless routing "
+                   f"(moe.capacity_factor=none) or parallel.cp=1")
+    if _has_moe(moe_cfg) and moe_cfg.router != "token_choice":
+        raise _err(f"moe.router={moe_cfg.router} with parallel.cp={p.cp}: experts choose among a "
+                   f"sequence's tokens, which cp splits over ranks; use moe.router=token_choice")
+
+
+def check_cp_seq_len(seq_len: int, cp: int, tp: int, where: str) -> None:
+    """The sequence is cut into 2 x cp chunks (load balance), and each rank's S/cp tokens
+    into tp parts by sequence parallelism."""
+    if cp > 1 and seq_len % (2 * cp * tp):
+        step = 2 * cp * tp
+        raise _err(f"{where}={seq_len} is not divisible by 2 x parallel.cp x parallel.tp = {step} "
+                   f"(context parallelism cuts each sequence into 2*cp chunks"
+                   + (", sequence parallelism each rank's part into tp" if tp > 1 else "")
+                   + f"); use a multiple of {step}, e.g. {max(step, seq_len - seq_len % step)}")
 
 
 def _check_grid_model(p: ParallelPlan, m, moe_cfg) -> None:

@@ -272,9 +272,9 @@ def _check_batching(cfg: Config, plan) -> None:
 
 def check_hf_layout(cfg: Config, plan) -> None:
     """Hugging Face families run data/expert parallelism and ZeRO only."""
-    _require(not cfg.hf.family or (plan.tp, plan.pp) == (1, 1),
+    _require(not cfg.hf.family or (plan.tp, plan.pp, plan.cp) == (1, 1, 1),
              "hf.family models support data/expert parallelism and ZeRO only; "
-             "set parallel.tp=1 and parallel.pp=1")
+             "set parallel.tp=1, parallel.pp=1 and parallel.cp=1")
 
 
 def check_sections(cfg: Config) -> None:

@@ -22,10 +22,3 @@ def held_out(val_file, task, batches: int, batch_size: int, dp_rank: int = 0, dp
     for i in range(0, len(idx), chunk):
         rows = idx[i:i + chunk]
         yield len(rows), task.prepare(val_file.batch(rows), rows)
-
-
-def model_inputs(task_arch: str, batch):
-    """What the model's forward takes, from a prepared batch (see trainer/tasks.py)."""
-    if task_arch == "switch":
-        return batch["input_ids"], batch["decoder_input_ids"]
-    return batch[:, :-1]

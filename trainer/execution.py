@@ -97,7 +97,7 @@ class Pipeline(Plain):
 
     def _forward_backward(self, tr, batch_BS1, scale: float):
         """The schedule's forward+backward, then (inside pipeline_step) the reduction once."""
-        total = tr.par.pipeline_step(batch_BS1[:, :-1], batch_BS1[:, 1:])
+        total = tr.par.pipeline_step(*tr.task.inputs_targets(batch_BS1))
         # the runner returns task + aux; split off the aux part, summed over the stages
         aux = tr.par.pipeline_aux_loss().to(total.device)
         stats = {name: [layer.last_stats] for name, layer in tr.moe if layer.last_stats is not None}
@@ -108,7 +108,7 @@ class Pipeline(Plain):
         return tr.rows_per_rank, True
 
     def eval_loss(self, tr, batch) -> torch.Tensor:  # every pp rank gets the last stage's loss
-        return tr.par.pipeline.evaluate(batch[:, :-1], batch[:, 1:])
+        return tr.par.pipeline.evaluate(*tr.task.inputs_targets(batch))
 
     def before_save(self, tr, n: int) -> None:
         tr.par.pipeline.drain()  # 2bw: finish the backwards in flight (a no-op otherwise)

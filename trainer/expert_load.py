@@ -12,7 +12,7 @@ import torch
 
 from moe.profiling import profile_model
 
-from .evaluation import held_out, model_inputs
+from .evaluation import held_out
 
 
 @torch.no_grad()
@@ -20,7 +20,7 @@ def profile_at_step(trainer, step: int) -> dict:
     cfg, layout = trainer.cfg, trainer.par
     chunks = held_out(trainer.val_file, trainer.task, cfg.log.profile_batches,
                       cfg.train.batch_size, layout.dp_rank, layout.dp_size)
-    batches = (model_inputs(trainer.task.arch, batch) for _, batch in chunks)
+    batches = (trainer.task.model_inputs(batch) for _, batch in chunks)
     out_dir = Path(cfg.run.dir) / "profile" / f"step_{step:07d}" if trainer.ctx.is_main else None
     writer = trainer.log.tb if trainer.ctx.is_main else None
     return profile_model(trainer.model, batches, out_dir, writer=writer, step=step)

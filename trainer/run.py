@@ -160,7 +160,8 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
-                          Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device),
+                          Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
+                               par.split_sequence if plan.cp > 1 else None),
                           execution_for(par, ps), first_step=start + 1, stop_request=stop_request)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)

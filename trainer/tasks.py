@@ -16,11 +16,6 @@ def token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tenso
                            ignore_index=-100)
 
 
-def gpt_loss(model, samples_BS1: torch.Tensor) -> torch.Tensor:
-    inputs_BS, labels_BS = samples_BS1[:, :-1], samples_BS1[:, 1:]
-    return token_loss(model(inputs_BS), labels_BS)
-
-
 def switch_batch(samples_BS1, indices, seed: int, vocab_size: int, data_cfg) -> dict:
     """Span-corrupt each sample; returns input_ids, decoder_input_ids, labels tensors [B, *]."""
     from data.span_corruption import span_corrupt_batch
@@ -46,9 +41,10 @@ def switch_loss(model, batch: dict) -> torch.Tensor:
 class Task:
     """Moves a batch of samples to the device and computes the loss for the model family."""
 
-    def __init__(self, arch: str, seed: int, vocab_size: int, data_cfg, device):
+    def __init__(self, arch: str, seed: int, vocab_size: int, data_cfg, device, seq_part=None):
         self.arch, self.seed, self.vocab_size = arch, seed, vocab_size
         self.data_cfg, self.device = data_cfg, device
+        self.seq_part = seq_part  # [B, S] -> this rank's part (context parallelism), or None
 
     def prepare(self, samples_BS1: torch.Tensor, indices):
         if self.arch == "switch":
@@ -63,8 +59,25 @@ class Task:
             return [{k: parts[k][i] for k in parts} for i in range(n)]
         return list(batch.chunk(n))
 
+    def inputs_targets(self, samples_BS1) -> tuple:
+        """gpt: (inputs, next-token targets) [B, S] of the samples, this rank's part of each
+        sequence under context parallelism."""
+        x_BS, y_BS = samples_BS1[:, :-1], samples_BS1[:, 1:]
+        if self.seq_part is not None:
+            x_BS, y_BS = self.seq_part(x_BS), self.seq_part(y_BS)
+        return x_BS, y_BS
+
+    def model_inputs(self, batch):
+        """What the model's forward takes, from a prepared batch."""
+        if self.arch == "switch":
+            return batch["input_ids"], batch["decoder_input_ids"]
+        return self.inputs_targets(batch)[0]
+
     def loss(self, model, batch) -> torch.Tensor:
-        return switch_loss(model, batch) if self.arch == "switch" else gpt_loss(model, batch)
+        if self.arch == "switch":
+            return switch_loss(model, batch)
+        x_BS, y_BS = self.inputs_targets(batch)
+        return token_loss(model(x_BS), y_BS)
 
     def tokens(self, batch) -> int:
         """Tokens the model consumed (for tokens/s)."""

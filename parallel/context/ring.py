@@ -27,8 +27,9 @@ def _ring_peers(group):
 def _start_pass(tensors: list, group):
     """Issue: send `tensors` to the next rank, receive the previous rank's; -> (received, works)."""
     nxt, prv = _ring_peers(group)
-    recv = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    tensors = [t.contiguous() for t in tensors]
+    recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
     return recv, dist.batch_isend_irecv(ops)
 

@@ -49,11 +49,11 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=Non
     for mod in model.modules():
         if isinstance(mod, MoELayer):
             fully_shard(mod.experts, mesh=edp, mp_policy=mp_policy)
-            _divide_by(mod.experts, edp, plan.dp)
+            _divide_by(mod.experts, edp, plan.replicas)
             rest = [m for m in (mod.router, mod.shared_experts) if m is not None]
             for m in rest:
                 fully_shard(m, mesh=pool, mp_policy=mp_policy)
-                _divide_by(m, pool, plan.dp)
+                _divide_by(m, pool, plan.replicas)
     for block in blocks:
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
     for root in roots or [model]:

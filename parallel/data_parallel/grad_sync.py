@@ -25,7 +25,7 @@ def reduction_buckets(model, meshes, kinds: dict) -> list:
     for kind in KINDS:
         params = [p for p in model.parameters() if p.requires_grad and kinds[id(p)] == kind]
         if params:
-            out.append((kind, groups[kind], meshes.plan.dp, params))
+            out.append((kind, groups[kind], meshes.plan.replicas, params))
     return out
 
 

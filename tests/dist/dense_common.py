@@ -91,15 +91,14 @@ def one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol):
     plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, B)
     meshes = build_meshes(plan)
     par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
-    dp_rank, n = meshes.rank("dp"), B // plan.dp
-    x, y = batch(0, model_cfg.vocab_size)
-    x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+    x, y = my_rows(par, *batch(0, model_cfg.vocab_size))
+    dp_rank, n = par.dp_rank, B // plan.dp
     with par.recording_comm():
         logits = par.model(x)
         (task_loss(logits, y) + collect_aux_loss(par.model)).backward()
     comm = par.ledger.take()
     logits = local(logits.full_tensor() if hasattr(logits, "full_tensor") else logits)
-    out_diff = (logits - ref_logits[dp_rank * n:(dp_rank + 1) * n]).abs().max().item()
+    out_diff = (logits - par.split_sequence(ref_logits[dp_rank * n:(dp_rank + 1) * n])).abs().max().item()
     assert {name for name, _ in par.model.named_parameters()} == set(ref_grads)  # every gradient
     grads = []
     for name, p in par.model.named_parameters():
@@ -143,11 +142,9 @@ def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, mak
     par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
     model = par.model
     opt = par.prepare_optimizer(make_optimizer(model.parameters()))
-    dp_rank, n = meshes.rank("dp"), B // plan.dp
     out = []
     for step in range(steps):
-        x, y = batch(step, model_cfg.vocab_size)
-        x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+        x, y = my_rows(par, *batch(step, model_cfg.vocab_size))
         with par.recording_comm():
             if plan.pp > 1:
                 loss = par.pipeline_step(x, y)
@@ -161,6 +158,14 @@ def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, mak
             inspect(par, opt, step, comm)
         opt.zero_grad(set_to_none=True)
         loss = loss.detach().clone()
-        dist.all_reduce(loss, group=meshes.group("dp"))
-        out.append((loss.item() / plan.dp, norm.item()))
+        dist.all_reduce(loss, group=meshes.group("dp"))  # the dp x cp replicas' equal parts
+        out.append((loss.item() / plan.replicas, norm.item()))
     return out
+
+
+def my_rows(par, x_BS, y_BS):
+    """This rank's rows of the global batch (its dp row stream) and, under context
+    parallelism, its part of each sequence."""
+    n = B // par.plan.dp
+    rows = slice(par.dp_rank * n, (par.dp_rank + 1) * n)
+    return par.split_sequence(x_BS[rows]), par.split_sequence(y_BS[rows])

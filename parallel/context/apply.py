@@ -1,0 +1,76 @@
+"""Context parallelism applied from outside: a GPT (or its pipeline stage) runs on this
+rank's part of every sequence.
+
+Shapes: B batch, S whole sequence, Q = S/cp local tokens, D model dim, H heads, Dh head dim.
+Changed in place (instance attributes: parameter names stay):
+  every block's attention  q/k/v/o projections as before (tensor-parallel styles still apply),
+                           rotary angles at each token's global position, then ring or
+                           Ulysses attention over the cp group instead of local attention;
+  the embedding            learned positions at each token's global position.
+Everything else already works on tokens wherever they are: norms, dense FFNs, MoE layers
+(routing is per token; the sequence balance loss sums its statistics over the cp group,
+moe.aux.set_sequence_group), the loss (each rank's mean over its tokens; the cp ranks'
+means average to the whole sequence's, all parts being equal).
+Inputs and targets are cut by `split_sequence` (split.py's balanced order) before the model.
+"""
+import torch
+import torch.distributed as dist
+
+from models.blocks import blocks
+from models.layers import apply_rope, rope_cos_sin
+
+from .ring import ring_attention
+from .split import positions, split
+from .ulysses import ulysses_attention
+
+
+def apply_context_parallel(model, group, mode: str, chunks=()) -> None:
+    """Run `model`'s attention (and positions) over the sequence split across `group`.
+    `chunks`: pipeline stage shells sharing the model's modules (their embed is wrapped too)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    for block in blocks(model):
+        block.attn.forward = _attention(block.attn, group, mode, n, rank)
+    for m in (model, *chunks):
+        if getattr(m, "pos_emb", None) is not None and getattr(m, "tok_emb", None) is not None:
+            m.embed = _embed(m, n, rank)
+
+
+def _attention(attn, group, mode: str, n: int, rank: int):
+    def forward(x_BQD, kv_BLD=None, bias_1HSL=None, causal: bool = False):
+        if kv_BLD is not None or bias_1HSL is not None:
+            raise ValueError("context parallelism runs self-attention without an additive bias "
+                             "only (the GPT); set parallel.cp=1 for this model")
+        q, k, v = attn._heads(attn.wq(x_BQD)), attn._heads(attn.wk(x_BQD)), attn._heads(attn.wv(x_BQD))
+        Q = q.shape[2]
+        S = Q * n
+        if attn.rope_theta is not None:
+            cos, sin = rope_cos_sin(S, attn.head_dim, attn.rope_theta, q.device)
+            pos = positions(S, n, rank, q.device)
+            cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mode == "ring":
+            o = ring_attention(q, k, v, group, causal=causal, seq_len=S)
+        else:
+            p = attn.dropout if attn.training else 0.0
+            o = ulysses_attention(q, k, v, group, causal=causal, dropout_p=p)
+        B = o.shape[0]
+        return attn.wo(o.transpose(1, 2).reshape(B, Q, -1))
+    return forward
+
+
+def _embed(model, n: int, rank: int):
+    def embed(input_ids_BQ: torch.Tensor) -> torch.Tensor:
+        if input_ids_BQ.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"GPT expects integer token ids [B, S], got dtype {input_ids_BQ.dtype}")
+        S = input_ids_BQ.shape[-1] * n
+        if S > model.model_cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds model.max_seq_len="
+                             f"{model.model_cfg.max_seq_len}; raise model.max_seq_len or shorten the data")
+        x_BQD = model.tok_emb(input_ids_BQ) + model.pos_emb(positions(S, n, rank, input_ids_BQ.device))
+        return model.drop(x_BQD)
+    return embed
+
+
+def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's part (balanced chunks) of a [B, S, ...] tensor of whole sequences."""
+    return split(x, dist.get_world_size(group), dist.get_rank(group), dim=1)

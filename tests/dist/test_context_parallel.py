@@ -1,0 +1,83 @@
+"""Context parallelism (parallel.cp, parallel/context/): each sequence split over cp ranks.
+
+For each layout, the same weights and global batch as one process (tiny MoE GPT, fp32, the
+sequence-wise balance loss of the default config: its per-sequence statistics are summed
+over the cp group) give
+  outputs   the logits of this rank's rows and sequence part       within 2e-6 absolute
+  gradients every parameter after one backward and the layout's   within 1e-6 absolute +
+            gradient sync (experts on this rank's ep block)          1e-4 relative
+  training  5 AdamW steps with global-norm clipping: loss and grad  2e-5 absolute + 1e-4
+            norm per step (pipeline layouts: this check only, as in    relative
+            test_dense_parallel.py: a stage alone has no logits)
+and the ledger books the ring's send/recv or Ulysses' all-to-alls as context_parallel.
+fp32 throughout: ring attention merges key blocks by log-sum-exp (other summation order),
+the rest only reorders reductions.
+"""
+import pytest
+
+from tests.dist import dense_common as dc
+from tests.dist.harness import run_distributed
+
+pytestmark = pytest.mark.dist
+OUT_ATOL, GRAD_ATOL, GRAD_RTOL, ATOL, RTOL = 2e-6, 1e-6, 1e-4, 2e-5, 1e-4
+
+W2 = [("cp2_ring", dict(cp=2), {}),
+      ("cp2_ulysses", dict(cp=2, cp_mode="ulysses"), {}),
+      ("cp2_ep2_folded", dict(cp=2, ep=2), {}),                  # experts over the cp pair
+      ("cp2_ring_learned_positions_zero1", dict(cp=2, zero=1), {"positions": "learned"})]
+W4 = [("cp2_tp2", dict(cp=2, tp=2), {}),
+      ("cp2_pp2", dict(cp=2, pp=2, microbatches=2), {"tie": False}),
+      ("cp2_dp2_zero3_ep2", dict(cp=2, dp=2, zero=3, ep=2), {}),
+      ("cp4_ulysses_ep4_recompute", dict(cp=4, cp_mode="ulysses", ep=4, recompute="full"), {})]
+W8 = [("dp2_cp2_pp2_ep2_zero1", dict(dp=2, cp=2, pp=2, ep=2, zero=1, microbatches=2), {"tie": False})]
+
+
+def _configs(variant):
+    return dc.configs(**variant)
+
+
+def _worker(rank, world, layouts):
+    out = {}
+    for name, spec, variant in layouts:
+        if spec.get("pp", 1) > 1:
+            seen = {}
+            losses = dc.train_layout(world, spec, *_configs(variant),
+                                     inspect=lambda par, opt, step, comm: seen.setdefault("comm", comm))
+            out[name] = ((0.0, [], seen["comm"]), losses)
+        else:
+            out.update(dc.check_layouts(world, [(name, spec, variant)], _configs, GRAD_ATOL, GRAD_RTOL))
+    return out
+
+
+def _check(world, layouts, timeout):
+    refs = {}
+    for _, _, v in layouts:
+        key = tuple(sorted(v.items()))
+        refs.setdefault(key, dc.reference_run(*_configs(v)))
+    results = run_distributed(_worker, world, layouts, timeout=timeout)
+    for name, spec, v in layouts:
+        for rank, rank_out in enumerate(results):
+            (out_diff, grads, comm), losses = rank_out[name]
+            assert out_diff <= OUT_ATOL, f"{name} rank {rank}: logits differ by {out_diff:.2e}"
+            bad = [(n, f"{d:.2e} > {b:.2e}") for n, d, b in grads if d > b]
+            assert not bad, f"{name} rank {rank}: gradients differ: {bad}"
+            assert comm.get("context_parallel", 0) > 0, f"{name} rank {rank}: no cp bytes: {comm}"
+            if spec.get("ep", 1) > 1:  # a group shared with ep is not booked as cp traffic
+                assert comm.get("expert_all_to_all", 0) > 0, f"{name} rank {rank}: {comm}"
+            for step, ((l, g), (rl, rg)) in enumerate(zip(losses, refs[tuple(sorted(v.items()))])):
+                assert abs(l - rl) <= ATOL + RTOL * abs(rl), f"{name} step {step}: loss {l} vs {rl}"
+                assert abs(g - rg) <= ATOL + RTOL * abs(rg), f"{name} step {step}: norm {g} vs {rg}"
+
+
+def test_context_parallel_equals_one_process_world2():
+    _check(2, W2, 300)
+
+
+@pytest.mark.long
+def test_context_parallel_equals_one_process_world4():
+    _check(4, W4, 400)
+
+
+@pytest.mark.long
+def test_context_parallel_equals_one_process_world8():
+    _check(8, W8, 400)
