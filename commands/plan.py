@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     hw = Hardware()
     ap = argparse.ArgumentParser(
         prog="python -m parallel.planner",
-        description="List the parallel layouts (dp, tp, pp, ep, zero, recompute, pipeline "
+        description="List the parallel layouts (dp, cp, tp, pp, ep, zero, recompute, pipeline "
                     "schedule and micro-batches) of a train.py config that fit N GPUs, ranked "
                     "by predicted step time, with per-rank memory, communication per step and "
                     "the reason each other layout does not fit. Models: see the docstrings of "
@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--zeropp", nargs="+", default=["off", "on"], choices=["off", "on"],
                     help="ZeRO++ to consider: on = qwZ+qgZ (ZeRO-3) / qgZ (ZeRO-2), and hpZ over "
                          "one node's dp ranks under ZeRO-3 (default both)")
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="context-parallel degrees to consider, those dividing the world "
+                         "(default %(default)s; each cp > 1 in both --cp-modes)")
+    ap.add_argument("--cp-modes", nargs="+", default=["ring", "ulysses"], choices=["ring", "ulysses"],
+                    help="context-parallel modes to consider (default both)")
     ap.add_argument("--top", type=int, default=10, help="rows per table in the text output (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="print every layout as JSON instead of tables")
     return ap
@@ -79,7 +84,8 @@ def main(argv=None) -> int:
     costs = model_costs(w.build_model(), w)
     result = plan_all(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model),
                       zeros=tuple(args.zero), offloads=tuple(args.offload),
-                      zeropp=tuple(z == "on" for z in args.zeropp), gpus_per_node=args.gpus_per_node)
+                      zeropp=tuple(z == "on" for z in args.zeropp), gpus_per_node=args.gpus_per_node,
+                      cps=tuple(args.cp), cp_modes=tuple(args.cp_modes))
     if args.json:
         print(json.dumps(as_json(result, args.world, hw), indent=1))
     else:

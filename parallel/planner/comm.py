@@ -47,12 +47,14 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     depth (tpd, 2.5d): logits gather q T V (a); per step the gradients of the weights
       replicated over depth all-reduced there, like the row's of the norm weights
       (rank_state.grid_grad_sums); recompute repeats every block's forward collectives
+  context parallel (cp > 1): each rank's tokens are S/cp of a sequence (every token term above
+    uses S/cp); ring send/recv or Ulysses all-to-alls per attention module (_context)
   other: the gradient-norm all-reduce (4 bytes) and the step's agreement flags (16 bytes)
 """
 from collections import Counter
 
 from ..ledger import KINDS, classify
-from .memory import act_bytes, micro_seqs
+from .memory import act_bytes, local_tokens, micro_seqs
 
 
 def step_comm(w, plan, state) -> tuple:
@@ -79,6 +81,7 @@ def step_comm(w, plan, state) -> tuple:
         events.append(("tied_embedding", "reduce", "pp", 2, tied))
     _pipeline(w, plan, state, book)
     _experts(w, plan, state, book)
+    _context(w, plan, state, book)
     if plan.tp_mode == "1d":
         _tensor(w, plan, state, book, out, events)
     else:
@@ -132,11 +135,11 @@ def _pipeline(w, plan, state, book) -> None:
     if plan.pp == 1:
         return
     a = 4  # the residual stream between stages stays in the parameters' dtype
-    seqs, S = micro_seqs(w, plan), w.stream_tokens["decoder"]
+    seqs, S = micro_seqs(w, plan), local_tokens(plan, w.stream_tokens["decoder"])
     per_mb = seqs * S * w.model_cfg.d_model * a / plan.tp
     sends = 0
     for chunk in range(plan.stages_per_rank):
-        stage = state.rank // (plan.dp * plan.tp) + chunk * plan.pp
+        stage = state.rank // plan.pool + chunk * plan.pp
         sends += (stage != plan.num_stages - 1) + (stage != 0)
     book("p2p", "pp", per_mb * plan.microbatches * sends)
     book("reduce", "pp", 8)
@@ -161,7 +164,7 @@ def _experts(w, plan, state, book) -> None:
     rows = 0.0
     for stream, S in w.stream_tokens.items():
         n = len(moe_blocks)
-        own = seqs * S * moe.top_k / plan.tp
+        own = seqs * local_tokens(plan, S) * moe.top_k / plan.tp
         if moe.capacity_factor and moe.capacity_factor < 1:
             own *= moe.capacity_factor
         rows += n * (3 if again else 2) * (own + r * own)
@@ -182,13 +185,39 @@ def _expert_tensor(w, plan, moe_blocks, book) -> None:
         w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
     rows = 0.0
     for S in w.stream_tokens.values():
-        own = seqs * S * moe.top_k / plan.tp
+        own = seqs * local_tokens(plan, S) * moe.top_k / plan.tp
         if moe.capacity_factor and moe.capacity_factor < 1:
             own *= moe.capacity_factor
         rows += len(moe_blocks) * passes * 2 * n * r * own
     table = n * (moe.num_experts // plan.ep) * 8 * len(moe_blocks) * len(w.stream_tokens)
     table *= passes - 1
     book("a2a", "etp", (rows * w.model_cfg.d_model * 4 + table) * micro_count(w, plan))
+
+
+def _context(w, plan, state, book) -> None:
+    """Context parallelism (parallel/context/), per attention module and micro-batch, with
+    E = b (S/cp) (D/tp) elements of one of q/k/v on this rank: ring: forward 2(cp-1) blocks
+    (k, v) sent, backward 4(cp-1) + 2 (k, v, dk, dv; dk, dv on the last hop home), all fp32;
+    ulysses: 4 all-to-alls of E (q, k, v, o) forward and 4 backward, in the activation dtype.
+    The sequence-wise balance loss sums each sequence's [E+1] statistics over cp (fp32) per
+    MoE layer and forward. Recomputation repeats the forward ones."""
+    if plan.cp == 1:
+        return
+    n, m, again = plan.cp, micro_count(w, plan), plan.recompute == "full"
+    E = micro_seqs(w, plan) * local_tokens(plan, w.stream_tokens["decoder"]) * \
+        w.model_cfg.d_model / plan.tp
+    layers = len(w.blocks_on(state, plan))
+    if plan.cp_mode == "ring":
+        fwd, bwd = 2 * (n - 1) * E * 4, (4 * (n - 1) + 2) * E * 4
+        book("p2p", "cp", (fwd * (1 + again) + bwd) * layers * m)
+    else:
+        a = act_bytes(plan.precision)
+        book("a2a", "cp", (4 * (1 + again) + 4) * E * a * layers * m)
+    moe = w.moe_cfg
+    if w.has_moe() and moe.balance_loss == "sequence":
+        moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))
+        stats = micro_seqs(w, plan) / plan.tp * (moe.num_experts + 1) * 4
+        book("reduce", "cp", stats * moe_layers * (1 + again) * m)
 
 
 def _tensor(w, plan, state, book, out, events) -> None:
@@ -198,7 +227,7 @@ def _tensor(w, plan, state, book, out, events) -> None:
     if plan.tp == 1:
         return
     a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, micro_count(w, plan)
-    S, D, V = w.stream_tokens["decoder"], w.model_cfg.d_model, w.model_cfg.vocab_size
+    S, D, V = local_tokens(plan, w.stream_tokens["decoder"]), w.model_cfg.d_model, w.model_cfg.vocab_size
     full, part = seqs * S * D * a, seqs * S * D * a / tp
     dtensor, fwd_only, moe_layers = 0.0, 0.0, 0
     for i in w.blocks_on(state, plan):

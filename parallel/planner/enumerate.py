@@ -1,9 +1,10 @@
 """Every layout of a world size that ParallelPlan.validate (or the caller's check) accepts.
 
-The candidate degrees are all factorizations world = dp * tp * pp, each tp in every
+The candidate degrees are all factorizations world = dp * cp * tp * pp (cp from the caller's
+list, each cp > 1 in both modes, ring and ulysses), each tp in every
 tensor-parallel form it can take (1d; 2d where tp = q*q; 2.5d for every depth d with
-tp = q*q*d), every ep dividing dp*tp
-and every etp dividing dp*tp/ep (expert tensor parallelism), ZeRO 0-3, recompute none/full
+tp = q*q*d), every ep dividing dp*cp*tp
+and every etp dividing dp*cp*tp/ep (expert tensor parallelism), ZeRO 0-3, recompute none/full
 and, with pp > 1, each schedule with micro-batch counts pp, 2pp, 4pp and 8pp; and the ZeRO
 family: offload none/optimizer/params, ZeRO++ off/on (on = qwZ + qgZ under ZeRO-3, qgZ under
 ZeRO-2) and, under ZeRO-3, hpZ off or with the dp ranks of one node (gpus_per_node / tp).
@@ -14,6 +15,7 @@ import dataclasses
 import itertools
 
 from ..pipeline.schedules import PP_SCHEDULES
+from ..plan import CP_MODES
 
 
 def rejection(e: Exception) -> str:
@@ -31,25 +33,33 @@ ZEROPP = (False, True)
 
 
 def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full"),
-               offloads=OFFLOADS, zeropp=ZEROPP, gpus_per_node: int = 8) -> list:
+               offloads=OFFLOADS, zeropp=ZEROPP, gpus_per_node: int = 8, cps=(1,),
+               cp_modes=CP_MODES) -> list:
     out = []
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            schedules = PP_SCHEDULES if pp > 1 else ("1f1b",)
-            mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
-            for (tp_mode, depth), (ep, etp) in itertools.product(_tp_modes(tp), _expert_degrees(dp * tp)):
-                for zero in zeros:
-                    for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
-                        for rc in recomputes:
-                            for sched in schedules:
-                                for mb in mbs:
-                                    out.append(dataclasses.replace(
-                                        base, dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth,
-                                        pp=pp, ep=ep, etp=etp, zero=zero,
-                                        recompute=rc, pp_schedule=sched, microbatches=mb,
-                                        pp_stages_per_rank=0, **family))
+    for tp, pp, cp in _degrees(world, cps):
+        dp = world // (tp * pp * cp)
+        schedules = PP_SCHEDULES if pp > 1 else ("1f1b",)
+        mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
+        modes = cp_modes if cp > 1 else (base.cp_mode,)
+        for (tp_mode, depth), (ep, etp), cp_mode in itertools.product(
+                _tp_modes(tp), _expert_degrees(dp * cp * tp), modes):
+            for zero in zeros:
+                for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
+                    for rc in recomputes:
+                        for sched in schedules:
+                            for mb in mbs:
+                                out.append(dataclasses.replace(
+                                    base, dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth,
+                                    pp=pp, cp=cp, cp_mode=cp_mode, ep=ep, etp=etp, zero=zero,
+                                    recompute=rc, pp_schedule=sched, microbatches=mb,
+                                    pp_stages_per_rank=0, **family))
     return out
+
+
+def _degrees(world: int, cps) -> list:
+    """(tp, pp, cp) with tp * pp * cp dividing the world (cp from `cps`)."""
+    return [(tp, pp, cp) for tp in _divisors(world) for pp in _divisors(world // tp)
+            for cp in cps if (world // (tp * pp)) % cp == 0]
 
 
 def _tp_modes(tp: int) -> list:

@@ -81,7 +81,7 @@ def rank_flops(costs: ModelCosts, workload, plan, state) -> float:
         if not _on_rank(stream, block, state, plan):
             continue
         S = workload.stream_tokens.get(stream, 0)
-        tokens = seqs * S
+        tokens = seqs * S / plan.cp   # a cp rank's queries: its part; keys: all S (ring)
         expert = u.expert_params * (workload.imbalance if plan.ep > 1 else 1.0)
         per_token = 2 * (u.dense_params + expert)
         per_token += 4 * costs.d_model * (S * u.attention_modules + (enc or S) * u.cross_attention)

@@ -134,12 +134,17 @@ def micro_seqs(w, plan) -> float:
     return w.micro_batch_size or local
 
 
+def local_tokens(plan, S: int) -> float:
+    """Tokens of one sequence on a rank: its cp part (parallel/context/split.py)."""
+    return S / plan.cp
+
+
 def activations(w, plan, state, stage: int) -> Activations:
     a, seqs = act_bytes(plan.precision), micro_seqs(w, plan)
     per_block = {}
     for stream, S in w.stream_tokens.items():
         for i in w.blocks_on(state, plan):
-            tokens = seqs * S / plan.tp
+            tokens = seqs * local_tokens(plan, S) / plan.tp
             full = block_act_elems(w, i, stream, plan) * tokens * a
             kept = w.model_cfg.d_model * tokens * a if plan.recompute == "full" else full
             per_block[(stream, i)] = (kept, full)
@@ -151,7 +156,7 @@ def activations(w, plan, state, stage: int) -> Activations:
     loss = 0
     if state.last_stage:
         S_out = w.stream_tokens["decoder"]
-        loss = int(seqs * S_out * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
+        loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
     total = int(per_chunk * flight + rebuild + loss)
     passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
     return Activations(int(kept), flight, loss, total, passes)

@@ -46,7 +46,8 @@ def group_dims(meshes) -> dict:
     """{dim: (frozenset of the dims served by the same process group, group size)}: a group
     serving several dims (DeviceMesh hands out the default group for a dim spanning the
     whole world) counts as all of them, exactly as parallel/ledger.py's CommLedger sees it."""
-    dims = DIMS + (GRID_DIMS if meshes.grid is not None else ())
+    dims = DIMS + (GRID_DIMS if meshes.grid is not None else ()) + \
+        (("cp",) if meshes.cp_group is not None else ())
     names = {d: meshes.group(d).group_name for d in dims}
     return {d: (frozenset(e for e in dims if names[e] == names[d]), meshes.size(d)) for d in dims}
 

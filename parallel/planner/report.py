@@ -13,6 +13,8 @@ BUILD_ERRORS = (ValueError, NotImplementedError, TypeError)
 def layout_name(plan) -> str:
     tp = {"1d": "", "2d": "(2d)", "2.5d": f"(2.5d,d{plan.tp_depth})"}[plan.tp_mode]
     parts = [f"dp{plan.dp}", f"tp{plan.tp}{tp}", f"pp{plan.pp}", f"ep{plan.ep}", f"z{plan.zero}"]
+    if plan.cp > 1:
+        parts.insert(1, f"cp{plan.cp}" + ("u" if plan.cp_mode == "ulysses" else ""))
     if plan.etp > 1:
         parts.insert(4, f"etp{plan.etp}")
     if plan.recompute != "none":

@@ -50,6 +50,10 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # 2-D tensor parallelism on a 2 x 2 grid, and 2.5-D: two stacked grids (ZeRO-1 slices)
     (4, {"dp": 1, "tp": 4, "tp_mode": "2d"}),
     (8, {"dp": 1, "tp": 8, "tp_mode": "2.5d", "tp_depth": 2, "zero": 1}),
+    # context parallelism: the ring with experts folded over the cp pair (ZeRO-1), and Ulysses
+    # over cp=2 inside dp=2 with ZeRO-3
+    (2, {"dp": 1, "cp": 2, "ep": 2, "zero": 1}),
+    (4, {"dp": 2, "cp": 2, "cp_mode": "ulysses", "zero": 3}),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
