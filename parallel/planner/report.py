@@ -87,7 +87,8 @@ def text(result: dict, top: int, hw) -> str:
 
 
 def _plan_dict(plan) -> dict:
-    keys = ("dp", "tp", "pp", "ep", "zero", "recompute", "pp_schedule", "microbatches",
+    keys = ("dp", "cp", "cp_mode", "tp", "tp_mode", "tp_depth", "pp", "ep", "etp", "zero",
+            "recompute", "pp_schedule", "microbatches",
             "pp_stages_per_rank", "precision", "offload", "zeropp_quantize_weights",
             "zeropp_quantize_grads", "zeropp_hpz", "zero_prefetch")
     return {k: getattr(plan, k) for k in keys}

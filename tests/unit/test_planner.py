@@ -16,8 +16,10 @@ CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_cli_json_on_every_config(config, capsys):
-    # zero 0 only keeps it quick (fewer meta parallelizations); test_text_output runs all
-    assert main(["--config", str(config), "--world", "8", "--zero", "0", "--json"]) == 0
+    # zero 0 and cp 1, 2 only keep it quick (fewer meta parallelizations); test_text_output
+    # runs all
+    assert main(["--config", str(config), "--world", "8", "--zero", "0", "--cp", "1", "2",
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["world"] == 8
     assert out["fits"] or out["too_big"], "no layout of world 8 was predicted"
@@ -25,7 +27,7 @@ def test_cli_json_on_every_config(config, capsys):
     assert steps == sorted(steps)
     for p in out["fits"] + out["too_big"]:
         lay = p["layout"]
-        assert lay["dp"] * lay["tp"] * lay["pp"] == 8
+        assert lay["dp"] * lay["cp"] * lay["tp"] * lay["pp"] == 8
         assert (p["peak_bytes"] <= 80e9) == p["fits"]
         assert len(p["ranks"]) == lay["pp"]
         for r in p["ranks"]:
@@ -43,6 +45,7 @@ def test_text_output_names_refusals(capsys):
     # validate's own message for tp=8 with 4 heads, and a layout parallelize cannot build
     assert "model.n_heads=4 is not divisible by parallel.tp=8" in text
     assert "parallelize: expert parallelism: the model has no MoELayer" in text
+    assert "parallel.cp=2 with parallel.pp_schedule=zbv" in text  # cp enumerated, refusals named
 
 
 def test_bad_override_is_reported(capsys):
