@@ -5,18 +5,20 @@ n = cp ranks. Each rank keeps its queries; the key/value blocks travel around th
 sending to r+1 and receiving from r-1, the next block's send/recv issued before the current
 block is computed. Block results are merged exactly with the log-sum-exp rule:
     lse = logaddexp(lse_a, lse_b),  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
-Causality is decided by global positions (split.py), so any chunk order works; the balanced
-order makes the work equal. Backward recomputes each block's probabilities from the saved
-lse (no [Q, S] matrix kept), accumulates dQ locally, and sends dK/dV around the ring with
-their block, one extra hop bringing them home. Blocks run in fp32 (inputs in bf16 keep
-their dtype outside).
+Each block is computed chunk pair by chunk pair (each rank holds 2 chunks of S/2n tokens,
+split.py): a pair whose key chunk lies after its query chunk is skipped under the causal
+mask, a diagonal pair is masked inside, so every rank computes the same 2n+1 pairs and the
+transient scores are [B, H, S/2n, S/2n] at most. Backward recomputes each pair's
+probabilities from the saved lse (no [Q, S] matrix kept), accumulates dQ locally, and sends
+dK/dV around the ring with their block, one extra hop bringing them home. Tiles run in fp32
+(inputs in bf16 keep their dtype outside).
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from .split import positions
+from .split import chunk_ids
 
 
 def _ring_peers(group):
@@ -39,10 +41,21 @@ def _finish(works) -> None:
         w.wait()
 
 
-def _scores(q, k, q_pos, k_pos, scale, causal):
+def _tiles(n: int, r: int, src: int, causal: bool) -> list:
+    """(query half, key half, diagonal) chunk pairs rank r computes against rank src's block:
+    each rank holds 2 chunks (split.py), a causal pair runs only if the key chunk is not after
+    the query chunk (every rank then computes 2n+1 pairs: split.attention_work); a diagonal
+    pair takes the causal mask inside the chunk."""
+    mine, theirs = chunk_ids(n, r), chunk_ids(n, src)
+    return [(a, b, causal and qc == kc) for a, qc in enumerate(mine) for b, kc in enumerate(theirs)
+            if not causal or kc <= qc]
+
+
+def _scores(q, k, scale, diagonal: bool):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+    if diagonal:
+        C = s.shape[-1]
+        s = s.masked_fill(torch.ones(C, C, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
@@ -53,55 +66,61 @@ def _merge(out, lse, block_out, block_lse):
     return out * wa[..., None] + block_out * wb[..., None], new
 
 
+def _half(t, i: int, C: int):
+    return t[..., i * C:(i + 1) * C, :]
+
+
 class _RingAttention(torch.autograd.Function):
+    """Shapes inside: C = Q/2 tokens per chunk; tiles [B, H, C, C] of scores at most."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, seq_len):
+    def forward(ctx, q, k, v, group, causal):
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale, C = 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         q32, kv = q.float(), [k.float(), v.float()]
-        q_pos = positions(seq_len, n, r, q.device)
-        out = torch.zeros_like(q32)
-        lse = torch.full(q32.shape[:-1], float("-inf"), device=q.device)
+        outs = [torch.zeros_like(_half(q32, 0, C)) for _ in range(2)]
+        lses = [torch.full(outs[0].shape[:-1], float("-inf"), device=q.device) for _ in range(2)]
         for step in range(n):
             pending = _start_pass(kv, group) if step < n - 1 else None
-            k_pos = positions(seq_len, n, (r - step) % n, q.device)
-            s = _scores(q32, kv[0], q_pos, k_pos, scale, causal)
-            block_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - torch.where(torch.isinf(block_lse), 0.0, block_lse)[..., None])
-            out, lse = _merge(out, lse, torch.matmul(p, kv[1]), block_lse)
+            for a, b, diagonal in _tiles(n, r, (r - step) % n, causal):
+                s = _scores(_half(q32, a, C), _half(kv[0], b, C), scale, diagonal)
+                tile_lse = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - tile_lse[..., None])
+                outs[a], lses[a] = _merge(outs[a], lses[a], torch.matmul(p, _half(kv[1], b, C)), tile_lse)
             if pending is not None:
                 kv, works = pending
                 _finish(works)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.seq_len, ctx.scale = group, causal, seq_len, scale
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, n, r = ctx.group, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        C = q.shape[2] // 2
         q32, d_out = q.float(), d_out.float()
-        q_pos = positions(ctx.seq_len, n, r, q.device)
         D = (d_out * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q32)
         blk = [k.float(), v.float(), torch.zeros(k.shape, device=k.device),
                torch.zeros(v.shape, device=v.device)]
         for step in range(n):
             kk, vv, dk, dv = blk
-            k_pos = positions(ctx.seq_len, n, (r - step) % n, q.device)
-            s = _scores(q32, kk, q_pos, k_pos, ctx.scale, ctx.causal)
-            p = torch.exp(s - lse[..., None])           # masked entries: exp(-inf) = 0
-            dv = dv + torch.matmul(p.transpose(-1, -2), d_out)
-            ds = p * (torch.matmul(d_out, vv.transpose(-1, -2)) - D)
-            dq = dq + torch.matmul(ds, kk) * ctx.scale
-            dk = dk + torch.matmul(ds.transpose(-1, -2), q32) * ctx.scale
+            for a, b, diagonal in _tiles(n, r, (r - step) % n, ctx.causal):
+                qa, do_a, kb, vb = _half(q32, a, C), _half(d_out, a, C), _half(kk, b, C), _half(vv, b, C)
+                p = torch.exp(_scores(qa, kb, ctx.scale, diagonal) - _half(lse[..., None], a, C))
+                _half(dv, b, C).add_(torch.matmul(p.transpose(-1, -2), do_a))
+                ds = p * (torch.matmul(do_a, vb.transpose(-1, -2)) - _half(D, a, C))
+                _half(dq, a, C).add_(torch.matmul(ds, kb) * ctx.scale)
+                _half(dk, b, C).add_(torch.matmul(ds.transpose(-1, -2), qa) * ctx.scale)
             # the last hop carries only the gradients home (rank r+1 owns what r holds now)
             send = [kk, vv, dk, dv] if step < n - 1 else [dk, dv]
             recv, works = _start_pass(send, group)
             _finish(works)
             blk = recv if step < n - 1 else [None, None, *recv]
         _, _, dk, dv = blk
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q_BHQD, k_BHKD, v_BHKD, group, causal: bool = True, seq_len: int = None):
@@ -111,5 +130,7 @@ def ring_attention(q_BHQD, k_BHKD, v_BHKD, group, causal: bool = True, seq_len: 
     sequence length (default: n x the local length). Every rank of `group` must call it
     (and its backward) with the same shapes."""
     n = dist.get_world_size(group)
-    return _RingAttention.apply(q_BHQD, k_BHKD, v_BHKD, group, causal,
-                                seq_len or q_BHQD.shape[2] * n)
+    if seq_len is not None and seq_len != q_BHQD.shape[2] * n:
+        raise ValueError(f"ring attention: seq_len={seq_len} is not cp={n} x the local "
+                         f"{q_BHQD.shape[2]} tokens")
+    return _RingAttention.apply(q_BHQD, k_BHKD, v_BHKD, group, causal)
