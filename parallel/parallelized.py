@@ -53,6 +53,12 @@ class Parallelized:
     def _group(self, name: str):
         return self.meshes.group(name) if self.meshes is not None else None
 
+    def checkpoint_transforms(self):
+        """(transform, untransform) of (model_sd, optim_sd) into the layout-free form a
+        checkpoint holds (their one home: parallel/state_dict.py)."""
+        from .state_dict import transforms
+        return transforms(self)
+
     def split_sequence(self, x_BS):
         """This rank's part of [B, S, ...] whole sequences: the balanced chunks of its cp
         rank (parallel/context/split.py), or x itself without context parallelism."""

@@ -7,8 +7,9 @@ block is computed. Block results are merged exactly with the log-sum-exp rule:
     lse = logaddexp(lse_a, lse_b),  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
 Each block is computed chunk pair by chunk pair (each rank holds 2 chunks of S/2n tokens,
 split.py): a pair whose key chunk lies after its query chunk is skipped under the causal
-mask, a diagonal pair is masked inside, so every rank computes the same 2n+1 pairs and the
-transient scores are [B, H, S/2n, S/2n] at most. Backward recomputes each pair's
+mask, a diagonal pair is masked inside, so every rank computes the same 2n+1 pairs; each pair
+runs in tiles of ROWS query rows, so the transient scores are [B, H, ROWS, S/2n]: activation
+memory per rank stays linear in S/n. Backward recomputes each pair's
 probabilities from the saved lse (no [Q, S] matrix kept), accumulates dQ locally, and sends
 dK/dV around the ring with their block, one extra hop bringing them home. Tiles run in fp32
 (inputs in bf16 keep their dtype outside).
@@ -51,12 +52,22 @@ def _tiles(n: int, r: int, src: int, causal: bool) -> list:
             if not causal or kc <= qc]
 
 
-def _scores(q, k, scale, diagonal: bool):
+def _scores(q, k, scale, diagonal: bool, row0: int):
+    """Scores of query rows [row0, row0 + R) of a chunk against a key chunk; on a diagonal
+    pair key j is masked for query row i when j > i."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if diagonal:
-        C = s.shape[-1]
-        s = s.masked_fill(torch.ones(C, C, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        rows = torch.arange(row0, row0 + s.shape[-2], device=s.device)
+        cols = torch.arange(s.shape[-1], device=s.device)
+        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
     return s
+
+
+ROWS = 256  # query rows per tile: transient scores [B, H, ROWS, S/2n], linear in S/n
+
+
+def _row_tiles(C: int) -> list:
+    return [(i, min(i + ROWS, C)) for i in range(0, C, ROWS)]
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -71,7 +82,7 @@ def _half(t, i: int, C: int):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Shapes inside: C = Q/2 tokens per chunk; tiles [B, H, C, C] of scores at most."""
+    """Shapes inside: C = Q/2 tokens per chunk; score tiles [B, H, ROWS, C] at most."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal):
@@ -83,10 +94,13 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = _start_pass(kv, group) if step < n - 1 else None
             for a, b, diagonal in _tiles(n, r, (r - step) % n, causal):
-                s = _scores(_half(q32, a, C), _half(kv[0], b, C), scale, diagonal)
-                tile_lse = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - tile_lse[..., None])
-                outs[a], lses[a] = _merge(outs[a], lses[a], torch.matmul(p, _half(kv[1], b, C)), tile_lse)
+                kb, vb = _half(kv[0], b, C), _half(kv[1], b, C)
+                for i, j in _row_tiles(C):
+                    s = _scores(_half(q32, a, C)[..., i:j, :], kb, scale, diagonal, i)
+                    tile_lse = torch.logsumexp(s, dim=-1)
+                    p = torch.exp(s - tile_lse[..., None])
+                    o, l_ = _merge(outs[a][..., i:j, :], lses[a][..., i:j], torch.matmul(p, vb), tile_lse)
+                    outs[a][..., i:j, :], lses[a][..., i:j] = o, l_
             if pending is not None:
                 kv, works = pending
                 _finish(works)
@@ -108,12 +122,16 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             kk, vv, dk, dv = blk
             for a, b, diagonal in _tiles(n, r, (r - step) % n, ctx.causal):
-                qa, do_a, kb, vb = _half(q32, a, C), _half(d_out, a, C), _half(kk, b, C), _half(vv, b, C)
-                p = torch.exp(_scores(qa, kb, ctx.scale, diagonal) - _half(lse[..., None], a, C))
-                _half(dv, b, C).add_(torch.matmul(p.transpose(-1, -2), do_a))
-                ds = p * (torch.matmul(do_a, vb.transpose(-1, -2)) - _half(D, a, C))
-                _half(dq, a, C).add_(torch.matmul(ds, kb) * ctx.scale)
-                _half(dk, b, C).add_(torch.matmul(ds.transpose(-1, -2), qa) * ctx.scale)
+                kb, vb = _half(kk, b, C), _half(vv, b, C)
+                for i, j in _row_tiles(C):
+                    qa = _half(q32, a, C)[..., i:j, :]
+                    do_a = _half(d_out, a, C)[..., i:j, :]
+                    lse_a = _half(lse[..., None], a, C)[..., i:j, :]
+                    p = torch.exp(_scores(qa, kb, ctx.scale, diagonal, i) - lse_a)
+                    _half(dv, b, C).add_(torch.matmul(p.transpose(-1, -2), do_a))
+                    ds = p * (torch.matmul(do_a, vb.transpose(-1, -2)) - _half(D, a, C)[..., i:j, :])
+                    _half(dq, a, C)[..., i:j, :].add_(torch.matmul(ds, kb) * ctx.scale)
+                    _half(dk, b, C).add_(torch.matmul(ds.transpose(-1, -2), qa) * ctx.scale)
             # the last hop carries only the gradients home (rank r+1 owns what r holds now)
             send = [kk, vv, dk, dv] if step < n - 1 else [dk, dv]
             recv, works = _start_pass(send, group)
