@@ -28,12 +28,20 @@ W2 = [("cp2_ring", dict(cp=2), {}),
 W4 = [("cp2_tp2", dict(cp=2, tp=2), {}),
       ("cp2_pp2", dict(cp=2, pp=2, microbatches=2), {"tie": False}),
       ("cp2_dp2_zero3_ep2", dict(cp=2, dp=2, zero=3, ep=2), {}),
-      ("cp4_ulysses_ep4_recompute", dict(cp=4, cp_mode="ulysses", ep=4, recompute="full"), {})]
+      ("cp4_ulysses_ep4_recompute", dict(cp=4, cp_mode="ulysses", ep=4, recompute="full"), {}),
+      # experts over ep x etp with the all-to-all cut in 2 overlapped chunks, ZeRO-2 slices
+      ("cp2_dp2_zero2_ep2_etp2_overlap", dict(cp=2, dp=2, zero=2, ep=2, etp=2),
+       {"moe": {"a2a_overlap_degree": 2}})]
 W8 = [("dp2_cp2_pp2_ep2_zero1", dict(dp=2, cp=2, pp=2, ep=2, zero=1, microbatches=2), {"tie": False})]
 
 
 def _configs(variant):
-    return dc.configs(**variant)
+    variant = dict(variant)
+    moe_fields = variant.pop("moe", {})
+    model_cfg, moe_cfg = dc.configs(**variant)
+    for k, v in moe_fields.items():
+        setattr(moe_cfg, k, v)
+    return model_cfg, moe_cfg
 
 
 def _worker(rank, world, layouts):
@@ -52,10 +60,12 @@ def _worker(rank, world, layouts):
 def _check(world, layouts, timeout):
     refs = {}
     for _, _, v in layouts:
-        key = tuple(sorted(v.items()))
-        refs.setdefault(key, dc.reference_run(*_configs(v)))
+        key = repr(sorted(v.items()))
+        if key not in refs:
+            refs[key] = dc.reference_run(*_configs(v))
     results = run_distributed(_worker, world, layouts, timeout=timeout)
     for name, spec, v in layouts:
+        key = repr(sorted(v.items()))
         for rank, rank_out in enumerate(results):
             (out_diff, grads, comm), losses = rank_out[name]
             assert out_diff <= OUT_ATOL, f"{name} rank {rank}: logits differ by {out_diff:.2e}"
@@ -64,7 +74,7 @@ def _check(world, layouts, timeout):
             assert comm.get("context_parallel", 0) > 0, f"{name} rank {rank}: no cp bytes: {comm}"
             if spec.get("ep", 1) > 1:  # a group shared with ep is not booked as cp traffic
                 assert comm.get("expert_all_to_all", 0) > 0, f"{name} rank {rank}: {comm}"
-            for step, ((l, g), (rl, rg)) in enumerate(zip(losses, refs[tuple(sorted(v.items()))])):
+            for step, ((l, g), (rl, rg)) in enumerate(zip(losses, refs[key])):
                 assert abs(l - rl) <= ATOL + RTOL * abs(rl), f"{name} step {step}: loss {l} vs {rl}"
                 assert abs(g - rg) <= ATOL + RTOL * abs(rg), f"{name} step {step}: norm {g} vs {rg}"
 
