@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from models.blocks import block_stacks
+
 from ..apply import parallelize
 from ..dtensors import local
 from ..mesh import build_meshes
@@ -110,8 +112,8 @@ def _read(par, plan, rank) -> RankState:
     if par.zero is not None:
         for s in par.zero.shard_of.values():
             slices.add(s)
-    blocks = list(getattr(model, "blocks", []) or [])
-    names = [n for n, _ in getattr(model, "blocks", {}).named_children()] if blocks else []
+    stacks = block_stacks(model)  # pipeline stages split the GPT's one stack
+    names = [n for n, _ in stacks[0].named_children()] if len(stacks) == 1 else []
     first = getattr(model, "tok_emb", 1) is not None
     last = getattr(model, "lm_head", 1) is not None
     tied = par.tied is not None and par.tied.group is not None
