@@ -27,6 +27,10 @@ W2 = [("cp2_ring", dict(cp=2), {}),
       ("cp2_ring_learned_positions_zero1", dict(cp=2, zero=1), {"positions": "learned"})]
 W4 = [("cp2_tp2", dict(cp=2, tp=2), {}),
       ("cp2_pp2", dict(cp=2, pp=2, microbatches=2), {"tie": False}),
+      ("cp2_pp2_gpipe", dict(cp=2, pp=2, microbatches=2, pp_schedule="gpipe"), {"tie": False}),
+      # two stages per rank: the stage-0 shell embeds learned positions at global positions
+      ("cp2_pp2_interleaved_learned", dict(cp=2, pp=2, microbatches=2, pp_schedule="interleaved_1f1b"),
+       {"tie": False, "positions": "learned"}),
       ("cp2_dp2_zero3_ep2", dict(cp=2, dp=2, zero=3, ep=2), {}),
       ("cp4_ulysses_ep4_recompute", dict(cp=4, cp_mode="ulysses", ep=4, recompute="full"), {}),
       # experts over ep x etp with the all-to-all cut in 2 overlapped chunks, ZeRO-2 slices
