@@ -68,11 +68,6 @@ class Meshes:
     def pp_rank(self) -> int:
         return dist.get_rank() // self.plan.pool
 
-    @property
-    def cp_rank(self) -> int:
-        """This rank's part of each sequence (0 without context parallelism)."""
-        return self.rank("cp") if self.cp_group is not None else 0
-
 
 def build_meshes(plan: ParallelPlan, device_type: str | None = None) -> Meshes:
     """Create the dense, expert and pool meshes for a plan already validated for the world."""
