@@ -53,10 +53,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         apply_grid_tensor_parallel(model, meshes)
     if plan.ep > 1:
         from .expert import apply_expert_parallel
-        apply_expert_parallel(model, meshes.group("ep"))
+        apply_expert_parallel(model, meshes.group("ep"), stage_only=plan.pp > 1)
     if plan.etp > 1:
         from .expert import apply_expert_tensor_parallel
-        apply_expert_tensor_parallel(model, meshes.group("etp"))
+        apply_expert_tensor_parallel(model, meshes.group("etp"), stage_only=plan.pp > 1)
     if meshes is not None:  # micro_batch / global_batch balance losses count over the token pool
         from moe.aux import set_balance_group
         set_balance_group(model, meshes.group("pool"))

@@ -21,29 +21,32 @@ from .kinds import is_expert_param  # noqa: F401  (its home is kinds.py; this na
 __all__ = ["apply_expert_parallel", "apply_expert_tensor_parallel", "is_expert_param"]
 
 
-def apply_expert_parallel(model, ep_group) -> list:
+def apply_expert_parallel(model, ep_group, stage_only: bool = False) -> list:
     """Shard the experts of every MoELayer in `model` over `ep_group` (in place).
 
     The model must hold full, identical weights on all ranks (or still be on the meta
     device); each rank keeps its slice. All layers are checked before any is changed.
     Returns [(name, layer)]. Their all-to-all bytes are counted by parallel/ledger.py.
+    stage_only: `model` is one pipeline rank's part of a model (its ep group lies inside
+    the stage, so all of its ranks hold the same blocks); a part without MoE layers (the
+    dense first layers of DeepSeek-V3) has nothing to shard and returns [].
     """
     return _every_layer(model, ep_group, check_shardable, shard_layer_experts,
-                        "expert parallelism", "ep")
+                        "expert parallelism", "ep", stage_only)
 
 
-def apply_expert_tensor_parallel(model, etp_group) -> list:
+def apply_expert_tensor_parallel(model, etp_group, stage_only: bool = False) -> list:
     """Split every MoELayer's experts' d_ff over `etp_group` (in place; moe/expert_tp.py):
     rank j keeps block j of w1/w3 columns and w2 rows. All layers are checked before any is
     changed. Returns [(name, layer)]."""
     return _every_layer(model, etp_group, check_ffn_shardable, split_layer_ffn,
-                        "expert tensor parallelism", "etp")
+                        "expert tensor parallelism", "etp", stage_only)
 
 
-def _every_layer(model, group, check, change, what: str, field: str) -> list:
+def _every_layer(model, group, check, change, what: str, field: str, stage_only: bool) -> list:
     """check(layer, group) every MoELayer (errors name the layer), then change(layer, group)."""
     layers = moe_layers(model)
-    if not layers:
+    if not layers and not stage_only:
         raise ValueError(f"{what}: the model has no MoELayer; use parallel.{field}=1 for a dense model")
     for name, layer in layers:
         try:

@@ -16,6 +16,8 @@ model/MoE/batch sizes, and every error names the field and a fix.
 import dataclasses
 from dataclasses import dataclass, field
 
+from .pipeline.layers import parse as parse_layers
+from .pipeline.layers import resolve as resolve_layers
 from .pipeline.schedules import (MULTI_STAGE_SCHEDULES, PP_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE,
                                  stage_ids)
 
@@ -47,6 +49,7 @@ class ParallelPlan:
     zero: int = field(default=0, metadata={"help": "ZeRO stage: 0 DP, 1 optimizer state, 2 +grads, 3 +params (FSDP2)"})
     pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: 1f1b | gpipe | interleaved_1f1b | zb_interleaved (interleaved zero bubble) | zbv (zero bubble, V-shape stages) | dualpipev (DeepSeek-V3's DualPipe, V-shape) | 2bw (PipeDream-2BW: asynchronous, 2 weight versions, each update uses the gradient of the previous weights)"})
     pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, zb_interleaved, zbv and dualpipev, else 1)"})
+    pp_layers: str = field(default="", metadata={"help": "blocks per pipeline stage: '' = even (n_layers divisible by the stages) | 'auto' = balanced by predicted time and parameters (the embedding on the first stage, head and loss on the last) | '3,4,4,3' = explicit, one count per stage (pp x stages per rank); stages without MoE layers are fine under any ep"})
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
@@ -72,6 +75,8 @@ class ParallelPlan:
             s += f" etp={self.etp}"
         if self.pp > 1:
             s += f" pp_schedule={self.pp_schedule} microbatches={self.microbatches or self.pp}"
+            if self.pp_layers and len(set(self.pp_layers.split(","))) > 1:
+                s += f" pp_layers={self.pp_layers}"
         extras = [f"{f.name}={_toml(getattr(self, f.name))}" for f in dataclasses.fields(self)
                   if f.name in _SHOWN_IF_SET and getattr(self, f.name) != f.default]
         return " ".join([s] + extras)
@@ -144,6 +149,8 @@ class ParallelPlan:
             _check_overlap(plan, moe_cfg)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
+            if plan.pp > 1 and getattr(model_cfg, "n_layers", None) is not None:
+                plan = dataclasses.replace(plan, pp_layers=_stage_layers(plan, model_cfg, moe_cfg, seq_len))
         if batch_size is not None:
             _check_batch(plan, batch_size, _has_moe(moe_cfg))
         if seq_len is not None and plan.tp_mode == "1d":
@@ -187,6 +194,9 @@ def _check_degrees(p: ParallelPlan) -> None:
         raise _err(f"parallel.dp={p.dp!r} must be -1 (all remaining ranks) or an integer >= 1")
     if not isinstance(p.pp_stages_per_rank, int) or p.pp_stages_per_rank < 0:
         raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank!r} must be 0 (auto) or >= 1")
+    parse_layers(p.pp_layers)  # its form; counts are checked against the model below
+    if p.pp == 1 and str(p.pp_layers).strip() not in ("", "even"):
+        raise _err(f"parallel.pp_layers={p.pp_layers!r} needs parallel.pp > 1; remove it")
     if p.pp == 1 and p.pp_stages_per_rank > 1:
         raise _err(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs parallel.pp > 1; "
                    f"set pp_stages_per_rank=0")
@@ -458,11 +468,6 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
                    f"both ends of the pipeline on rank 0, where torch 2.13's zero-bubble weight pass "
                    f"gets the shared weight's gradient wrong (measured); set "
                    f"model.tie_embeddings=false or use pp_schedule=zb_interleaved")
-    n_layers = getattr(m, "n_layers", None)
-    if p.pp > 1 and n_layers is not None and n_layers % p.num_stages:
-        raise _err(f"model.n_layers={n_layers} is not divisible by the {p.num_stages} pipeline stages "
-                   f"(parallel.pp={p.pp} x {p.stages_per_rank} per rank); change parallel.pp or "
-                   f"parallel.pp_stages_per_rank")
     if _has_moe(moe_cfg) and moe_cfg.num_experts % p.ep:
         raise _err(f"moe.num_experts={moe_cfg.num_experts} is not divisible by parallel.ep={p.ep}; "
                    f"pick an ep that divides it")
@@ -470,6 +475,15 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
     if p.etp > 1:
         _check_etp_model(p, m, moe_cfg)
+
+
+def _stage_layers(p: ParallelPlan, m, moe_cfg, seq_len) -> str:
+    """parallel.pp_layers resolved to its explicit form (pipeline/layers.py)."""
+    try:
+        return resolve_layers(p.pp_layers, p.num_stages, m, moe_cfg if _has_moe(moe_cfg) else None,
+                              seq_len)
+    except ValueError as e:
+        raise _err(f"{e} (parallel.pp={p.pp} x {p.stages_per_rank} stage(s) per rank)") from None
 
 
 def _check_cp_model(p: ParallelPlan, m, moe_cfg) -> None:

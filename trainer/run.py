@@ -132,8 +132,9 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     meshes = build_meshes(plan, ctx.device.type) if ctx.distributed else None
     # built on meta, materialised by parallelize after the split/sharding: no rank ever
     # holds the whole model
-    par = parallelize(build_model(cfg, ctx.device), plan, meshes, loss_fn=token_loss,
-                      init_fn=init_fn(cfg, ctx.device))
+    whole = build_model(cfg, ctx.device)
+    described = _describe(cfg, whole)  # before a pipeline split leaves this rank its stage
+    par = parallelize(whole, plan, meshes, loss_fn=token_loss, init_fn=init_fn(cfg, ctx.device))
     optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)
@@ -157,7 +158,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
     with StopRequest() as stop_request, contextlib.closing(log), \
             _parameter_server(cfg, ctx, plan, par, optimizer, start + 1) as ps:
-        _announce(log, cfg, ctx, plan, par.model, data_dir, train_file, resume_from)
+        _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
@@ -188,19 +189,24 @@ def _parameter_server(cfg, ctx, plan, par, optimizer, first_step: int):
     param_server.stop(ctx.rank, plan.ps_servers)
 
 
-def _announce(log, cfg, ctx, plan, model, data_dir, train_file, resume_from) -> None:
-    counts = models.count_params(model)
-    log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout {plan.summary()}")
-    log.info(f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
-             f"{counts['active_per_token'] / 1e6:.2f}M active per token, "
-             f"{len(models.moe_layers(model))} MoE layer(s)")
-    layers = models.moe_layers(model)
+def _describe(cfg, model) -> list:
+    """The whole model's start-up lines (parameters, MoE layers, routing, forced balance)."""
+    counts, layers = models.count_params(model), models.moe_layers(model)
+    lines = [f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
+             f"{counts['active_per_token'] / 1e6:.2f}M active per token, {len(layers)} MoE layer(s)"]
     if layers:  # the routing semantics the run trains with (adopted models: from their config)
-        log.info(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")
+        lines.append(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")
     forced = [layer for _, layer in layers if layer.force_balance]
     if forced:
-        log.info(f"WARNING: moe.force_balance=true in {len(forced)} MoE layer(s): routing is "
-                 f"forced to an even spread (benchmarking only; losses are not a real model's)")
+        lines.append(f"WARNING: moe.force_balance=true in {len(forced)} MoE layer(s): routing is "
+                     f"forced to an even spread (benchmarking only; losses are not a real model's)")
+    return lines
+
+
+def _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from) -> None:
+    log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout {plan.summary()}")
+    for line in described:
+        log.info(line)
     log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
              f"{cfg.data.seq_len} tokens)")
     if resume_from is not None:

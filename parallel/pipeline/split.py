@@ -1,7 +1,8 @@
 """The pipeline split: prune a model to this rank's stages and pick the runner.
 
-Stage k of n (n = pp * stages_per_rank) holds blocks [k*L/n, (k+1)*L/n); stage 0 also the
-embeddings, the last stage the final norm and lm_head; which stages a rank runs is the
+Stage k of n (n = pp * stages_per_rank) holds the contiguous blocks parallel.pp_layers gives
+it (layers.py: even, explicit or balanced); stage 0 also the embeddings, the last stage the
+final norm and lm_head; which stages a rank runs is the
 schedule's placement (schedules.py).
 
 The model object is pruned in place to this rank's parts, keeping parameter names
@@ -18,6 +19,7 @@ import torch.nn as nn
 from models.blocks import blocks
 from moe.aux import inject_aux_loss
 
+from .layers import stage_blocks
 from .runner import PipelineRunner
 from .schedules import SCHEDULES
 from .twobw import TwoBWRunner
@@ -29,11 +31,6 @@ def _keep_blocks(blocks: nn.ModuleList, keep: list) -> nn.ModuleList:
     for i in keep:
         out._modules[str(i)] = blocks[i]
     return out
-
-
-def _layers_of(stage: int, n_layers: int, num_stages: int) -> list:
-    per = n_layers // num_stages
-    return list(range(stage * per, (stage + 1) * per))
 
 
 def _shell(model, stage: int, num_stages: int, blocks: list):
@@ -53,7 +50,8 @@ def split_pipeline(model, plan, meshes, loss_fn):
         raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
     n_layers, n = len(blocks(model)), plan.num_stages
     stages = plan.stages_of(meshes.pp_rank)
-    per_stage = {s: _layers_of(s, n_layers, n) for s in stages}
+    layers = stage_blocks(plan.pp_layers, n_layers, n)
+    per_stage = {s: layers[s] for s in stages}
     chunks = [_shell(model, s, n, per_stage[s]) for s in stages]
     keep = sorted(i for s in stages for i in per_stage[s])
     model.blocks = _keep_blocks(model.blocks, keep)

@@ -8,6 +8,8 @@ and every etp dividing dp*cp*tp/ep (expert tensor parallelism), ZeRO 0-3, recomp
 and, with pp > 1, each schedule with micro-batch counts pp, 2pp, 4pp and 8pp; and the ZeRO
 family: offload none/optimizer/params, ZeRO++ off/on (on = qwZ + qgZ under ZeRO-3, qgZ under
 ZeRO-2) and, under ZeRO-3, hpZ off or with the dp ranks of one node (gpus_per_node / tp).
+Blocks per stage: the base plan's parallel.pp_layers; when that is even and the layers do
+not divide the stages, auto (balanced: parallel/pipeline/layers.py).
 validate decides which of them are layouts (it alone knows the rules). Precision and compile
 come from the base plan unchanged.
 """
@@ -104,7 +106,10 @@ def _zero_family(zero: int, dp: int, tp: int, offloads, zeropp, gpus_per_node: i
 def layouts(w, base, world: int, **kw) -> tuple:
     """([validated plans], [(candidate plan, reason)])."""
     ok, rejected = [], []
+    n_layers = getattr(w.model_cfg, "n_layers", 0)
     for plan in candidates(base, world, **kw):
+        if plan.pp > 1 and not plan.pp_layers and n_layers % plan.num_stages:
+            plan = dataclasses.replace(plan, pp_layers="auto")  # uneven: balanced stages
         try:
             ok.append(w.validate(plan, world))
         except ValueError as e:

@@ -62,7 +62,7 @@ class StateCache:
         zero = 1 if plan.zero in (0, 1, 2) else 3
         hpz = plan.zeropp_hpz  # splits FSDP2 units; offload and quantization are formulas
         v_shape = plan.pp_schedule in V_SCHEDULES  # which stages (blocks, ends) the rank holds
-        key = (plan.dp, plan.cp, plan.cp_mode, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.ep, plan.etp, zero,
+        key = (plan.dp, plan.cp, plan.cp_mode, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.pp_layers, plan.ep, plan.etp, zero,
                plan.stages_per_rank, v_shape, hpz, rank)
         if key not in self.states:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,

@@ -29,6 +29,9 @@ def layout_name(plan) -> str:
         parts.append(f"hpZ{plan.zeropp_hpz}")
     if plan.pp > 1:
         parts.append(f"{plan.pp_schedule}/m{plan.microbatches}")
+        counts = plan.pp_layers.split(",")
+        if len(set(counts)) > 1:
+            parts.append(f"L{'-'.join(counts)}")
     return " ".join(parts)
 
 
@@ -88,7 +91,7 @@ def text(result: dict, top: int, hw) -> str:
 
 def _plan_dict(plan) -> dict:
     keys = ("dp", "cp", "cp_mode", "tp", "tp_mode", "tp_depth", "pp", "ep", "etp", "zero",
-            "recompute", "pp_schedule", "microbatches",
+            "recompute", "pp_schedule", "microbatches", "pp_layers",
             "pp_stages_per_rank", "precision", "offload", "zeropp_quantize_weights",
             "zeropp_quantize_grads", "zeropp_hpz", "zero_prefetch")
     return {k: getattr(plan, k) for k in keys}

@@ -57,7 +57,9 @@ W2 = [("dp2", dict(dp=2), TIED),
       # zero-bubble schedules (backward split into input and weight passes)
       ("pp2_zb_interleaved_tied", dict(pp=2, microbatches=2, pp_schedule="zb_interleaved"), TIED),
       ("pp2_zbv_recompute", dict(pp=2, microbatches=2, pp_schedule="zbv", recompute="full"), UNTIED),
-      ("pp2_dualpipev", dict(pp=2, microbatches=4, pp_schedule="dualpipev"), UNTIED)]
+      ("pp2_dualpipev", dict(pp=2, microbatches=4, pp_schedule="dualpipev"), UNTIED),
+      # uneven stages balanced by parallel.pp_layers=auto (5 blocks over 2 stages)
+      ("pp2_auto_layers_tied", dict(pp=2, microbatches=2, pp_layers="auto"), {"n_layers": 5})]
 
 W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("ep2_tp2_zero3_dp2", dict(tp=2, ep=2, zero=3), TIED),
@@ -73,7 +75,13 @@ W4 = [("ep2_tp2_dp2", dict(tp=2, ep=2), TIED),
       ("zbv_ep2_dp2_zero1", dict(pp=2, ep=2, zero=1, microbatches=2, pp_schedule="zbv"), UNTIED),
       ("dualpipev_ep2_dp2", dict(pp=2, ep=2, microbatches=4, pp_schedule="dualpipev"), UNTIED),
       ("zb_interleaved_ep2_dp2_zero2_tied", dict(pp=2, ep=2, zero=2, microbatches=2,
-                                                 pp_schedule="zb_interleaved"), {"n_layers": 8})]
+                                                 pp_schedule="zb_interleaved"), {"n_layers": 8}),
+      # stages without MoE layers under ep: interleaved on 4 blocks puts blocks 0 and 2 (both
+      # dense) on pp rank 0; explicit uneven stages "1,4" leave stage 0 one dense block
+      ("interleaved_ep2_dp2_dense_rank", dict(pp=2, ep=2, microbatches=4,
+                                              pp_schedule="interleaved_1f1b"), UNTIED),
+      ("pp2_layers_1_4_ep2_dp2_zero1", dict(pp=2, ep=2, zero=1, microbatches=2, pp_layers="1,4"),
+       {"tie": False, "n_layers": 5})]
 
 W8 = [("dp2_tp2_pp2_ep2_zero1", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), UNTIED),
       ("dp2_tp2_pp2_ep2_zero1_tied", dict(dp=2, tp=2, pp=2, ep=2, zero=1, microbatches=2), TIED),

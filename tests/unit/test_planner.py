@@ -44,7 +44,8 @@ def test_text_output_names_refusals(capsys):
     assert "fits (fastest first):" in text
     # validate's own message for tp=8 with 4 heads, and a layout parallelize cannot build
     assert "model.n_heads=4 is not divisible by parallel.tp=8" in text
-    assert "parallelize: expert parallelism: the model has no MoELayer" in text
+    # a pipeline rank whose blocks are all dense is planned under ep (it used to be refused)
+    assert "no MoELayer" not in text
     assert "parallel.cp=2 with parallel.pp_schedule=zbv" in text  # cp enumerated, refusals named
 
 
@@ -125,3 +126,21 @@ def test_overlap_lower_bound():
     assert zero3.step_s_min == pytest.approx(zero3.step_s - sum(hidden.values()), rel=1e-9)
     dp = pred("parallel.dp=2")
     assert dp.step_s_min == dp.step_s
+
+
+def test_a_stage_without_moe_layers_is_planned_under_ep():
+    """Default config (MoE blocks 1 and 3), pp=2 interleaved: rank 0 runs blocks 0 and 2, both
+    dense, so it books no expert all-to-all and holds no expert bytes; rank 1 does both."""
+    import dataclasses
+    from parallel.planner import Hardware, StateCache, predict
+    from parallel.planner.flops import model_costs
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    cfg = load_config(None, [])
+    w = workload_from_config(cfg)
+    plan = w.validate(dataclasses.replace(cfg.parallel, pp=2, ep=2, dp=2, microbatches=4,
+                                          pp_schedule="interleaved_1f1b"), 4)
+    pred = predict(w, plan, Hardware(), model_costs(w.build_model(), w), StateCache(w.build_model))
+    first, second = pred.stages
+    assert "expert_all_to_all" not in first.comm_bytes and second.comm_bytes["expert_all_to_all"] > 0
+    assert second.model_state["params"]["gpu"] > first.model_state["params"]["gpu"]
