@@ -11,6 +11,7 @@ Modules (each states its model in its docstring):
   comm.py        bytes per step by ledger kind (parallel/ledger.py's classification)
   flops.py       training FLOPs per rank from the model's parameters
   schedule.py    pipeline bubble and in-flight micro-batches per schedule
+  hardware.py    one GPU's memory, compute and links; data-sheet presets (--hw h100)
   step_time.py   step time from FLOPs and bandwidths
   enumerate.py   every layout validate() accepts
   predict.py     one layout's prediction; report.py ranks and prints them
@@ -18,7 +19,7 @@ The library imports nothing above parallel/ (the model arrives as a build functi
 command line (__main__.py) reads train.py's config files.
 """
 from .predict import Prediction, StateCache, predict
-from .step_time import Hardware
+from .hardware import Hardware, preset
 from .workload import Workload
 
-__all__ = ["Hardware", "Prediction", "StateCache", "Workload", "predict"]
+__all__ = ["Hardware", "preset", "Prediction", "StateCache", "Workload", "predict"]

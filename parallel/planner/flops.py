@@ -7,6 +7,7 @@ Forward FLOPs per token = 2 x (matmul weights it passes through) + attention:
   attention: 4 x key length x D per token per attention module (QK^T and AV, causal masks
   not discounted), key length = the stream's tokens (cross-attention: the encoder's).
 Backward = 2 x forward; full recomputation adds one forward: 3x or 4x forward per step.
+model_flops (TFLOP/s per GPU, MFU) counts 3x, the whole model and batch, no imbalance.
 Per rank: its pipeline stage's blocks (+ head on the last stage), its 1/dp of the batch,
 split over tp (heads, FFN columns, vocabulary, and whole sequences in MoE layers); the
 expert part of an expert-parallel rank is scaled by the stated routing imbalance (the
@@ -71,21 +72,37 @@ def _key(name: str) -> tuple:
     return (_stream(name), int(m.group(1)) if m else -1)
 
 
+def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0) -> float:
+    """Forward FLOPs per token of one unit (the module docstring's count)."""
+    S = workload.stream_tokens.get(unit.stream, 0)
+    enc = workload.stream_tokens.get("encoder", 0)
+    per_token = 2 * (unit.dense_params + unit.expert_params * imbalance)
+    return per_token + 4 * costs.d_model * (S * unit.attention_modules + (enc or S) * unit.cross_attention)
+
+
+def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:
+    """Model FLOPs of one optimizer step: the whole model on the global batch, forward and
+    backward (3 x forward), no recomputation and no routing imbalance -- the numerator of
+    TFLOP/s per GPU and MFU as published runs state them. (With `imbalance`: the sum of
+    every rank's rank_flops without recomputation, the planner's search bound.)"""
+    total = 0.0
+    for u in costs.units.values():
+        tokens = workload.batch_size * workload.stream_tokens.get(u.stream, 0)
+        total += token_flops(costs, workload, u, imbalance) * tokens
+    return 3 * total
+
+
 def rank_flops(costs: ModelCosts, workload, plan, state) -> float:
     """Training FLOPs this rank runs in one optimizer step."""
     passes = 4 if plan.recompute == "full" else 3
     seqs = workload.batch_size / plan.dp
-    enc = workload.stream_tokens.get("encoder", 0)
+    imbalance = workload.imbalance if plan.ep > 1 else 1.0
     total = 0.0
     for (stream, block), u in costs.units.items():
         if not _on_rank(stream, block, state, plan):
             continue
-        S = workload.stream_tokens.get(stream, 0)
-        tokens = seqs * S / plan.cp   # a cp rank's queries: its part; keys: all S (ring)
-        expert = u.expert_params * (workload.imbalance if plan.ep > 1 else 1.0)
-        per_token = 2 * (u.dense_params + expert)
-        per_token += 4 * costs.d_model * (S * u.attention_modules + (enc or S) * u.cross_attention)
-        total += per_token * tokens
+        tokens = seqs * workload.stream_tokens.get(stream, 0) / plan.cp  # a cp rank's queries; keys: all S
+        total += token_flops(costs, workload, u, imbalance) * tokens
     return passes * total / plan.tp
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
-from .flops import rank_flops
+from .flops import model_flops, rank_flops
 from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state
 from ..pipeline.schedules import bubble_fraction
@@ -40,6 +40,8 @@ class Prediction:
     peak_bytes: int = 0
     fits: bool = True
     reason: str = ""
+    tflops_per_gpu: float = 0.0  # model FLOPs (flops.model_flops) per GPU per second at step_s
+    mfu: float = None            # tflops_per_gpu / the hardware's peak; None where unknown
 
     def rank0(self) -> StagePrediction:
         return self.stages[0]
@@ -101,6 +103,9 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())
     out.tokens_per_s = tokens / out.step_s if out.step_s > 0 else float("inf")
+    if out.step_s > 0:
+        out.tflops_per_gpu = model_flops(costs, w) / plan.world / out.step_s / 1e12
+        out.mfu = out.tflops_per_gpu / hw.peak_tflops if hw.peak_tflops else None
     out.peak_bytes = max(s.memory["peak"] for s in out.stages)
     if out.peak_bytes > hw.gpu_mem_bytes:
         worst = max(out.stages, key=lambda s: s.memory["peak"])

@@ -35,6 +35,11 @@ def layout_name(plan) -> str:
     return " ".join(parts)
 
 
+def rank_key(p) -> tuple:
+    """Fastest first; equal predictions by layout name (so every search orders ties alike)."""
+    return (p.step_s, layout_name(p.plan))
+
+
 def plan_all(w, base, world: int, hw, costs, cache, **kw) -> dict:
     """{"fits": [Prediction] fastest first, "too_big": [Prediction], "invalid": [(plan, reason)]}."""
     ok, invalid = layouts(w, base, world, **kw)
@@ -46,9 +51,13 @@ def plan_all(w, base, world: int, hw, costs, cache, **kw) -> dict:
             invalid.append((plan, f"parallelize: {rejection(e)}"))
             continue
         (fits if pred.fits else too_big).append(pred)
-    fits.sort(key=lambda p: p.step_s)
+    fits.sort(key=rank_key)
     too_big.sort(key=lambda p: p.peak_bytes)
     return {"fits": fits, "too_big": too_big, "invalid": invalid}
+
+
+def _mfu(p) -> str:
+    return "-" if p.mfu is None else f"{p.mfu:.0%}"
 
 
 def _state_gb(stage) -> str:
@@ -57,10 +66,19 @@ def _state_gb(stage) -> str:
 
 
 def text(result: dict, top: int, hw) -> str:
-    lines = [f"{len(result['fits'])} layouts fit in {hw.gpu_mem_gb:g} GB, "
-             f"{len(result['too_big'])} overflow it, {len(result['invalid'])} are refused.", ""]
+    if "examined" in result:  # the bounded search (search.py): what it looked at
+        refused = sum(result["refused_counts"].values())
+        lines = [f"best-first search: {result['predicted']} layouts predicted exactly "
+                 f"({len(result['fits'])} fit in {hw.gpu_mem_gb:g} GB, {len(result['too_big'])} "
+                 f"overflow it), {refused} refused; "
+                 f"{result['bounded_slower'] + result['pruned_groups']} layout(s)/group(s) bounded "
+                 f"slower than #{top}, {result['bounded_overflow'] + result['overflow_groups']} "
+                 f"bounded over memory (parallel/planner/search.py; --exhaustive predicts all).", ""]
+    else:
+        lines = [f"{len(result['fits'])} layouts fit in {hw.gpu_mem_gb:g} GB, "
+                 f"{len(result['too_big'])} overflow it, {len(result['invalid'])} are refused.", ""]
     head = (f"{'#':>3} {'layout':<44} {'peak GB':>8} {'p/g/opt GB (rank 0)':>20} {'act GB':>7} "
-            f"{'comm MB':>9} {'bubble':>6} {'step ms':>9} {'min ms':>8} {'tok/s':>10}")
+            f"{'comm MB':>9} {'bubble':>6} {'step ms':>9} {'min ms':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>5}")
     lines += ["fits (fastest first):", head]
     for i, p in enumerate(result["fits"][:top], 1):
         s = p.rank0()
@@ -68,7 +86,7 @@ def text(result: dict, top: int, hw) -> str:
         lines.append(f"{i:>3} {layout_name(p.plan):<44} {p.peak_bytes / GB:>8.2f} {_state_gb(s):>20} "
                      f"{max(st.activation_bytes for st in p.stages) / GB:>7.2f} {comm / MB:>9.1f} "
                      f"{p.bubble:>6.2f} {p.step_s * 1e3:>9.4g} {p.step_s_min * 1e3:>8.4g} "
-                     f"{p.tokens_per_s:>10.4g}")
+                     f"{p.tokens_per_s:>10.4g} {p.tflops_per_gpu:>8.4g} {_mfu(p):>5}")
     if len(result["fits"]) > top:
         lines.append(f"    ... {len(result['fits']) - top} more (--top N, or --json for all)")
     if result["fits"]:
@@ -84,8 +102,9 @@ def text(result: dict, top: int, hw) -> str:
     groups = defaultdict(list)
     for plan, reason in result["invalid"]:
         groups[reason].append(plan)
-    for reason, plans in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        lines.append(f"  {len(plans):>5}  {reason}  [e.g. {layout_name(plans[0])}]")
+    counts = result.get("refused_counts") or {r: len(p) for r, p in groups.items()}
+    for reason, plans in sorted(groups.items(), key=lambda kv: -counts[kv[0]]):
+        lines.append(f"  {counts[reason]:>5}  {reason}  [e.g. {layout_name(plans[0])}]")
     return "\n".join(lines)
 
 
@@ -97,11 +116,21 @@ def _plan_dict(plan) -> dict:
     return {k: getattr(plan, k) for k in keys}
 
 
-def _pred_dict(p) -> dict:
-    return {"layout": _plan_dict(p.plan), "fits": p.fits, "reason": p.reason,
-            "peak_bytes": p.peak_bytes, "bubble": p.bubble, "step_s": p.step_s,
-            "step_s_min": p.step_s_min,
-            "tokens_per_s": p.tokens_per_s,
+def comm_by_kind(p) -> dict:
+    """{kind: bytes per step} of the busiest stage of each kind."""
+    out = {}
+    for st in p.stages:
+        for k, v in st.comm_bytes.items():
+            out[k] = max(out.get(k, 0), v)
+    return out
+
+
+def pred_dict(p) -> dict:
+    return {"layout": _plan_dict(p.plan), "name": layout_name(p.plan), "fits": p.fits,
+            "reason": p.reason, "peak_bytes": p.peak_bytes,
+            "peak_gb": [s.memory["peak"] / GB for s in p.stages], "bubble": p.bubble,
+            "step_s": p.step_s, "step_s_min": p.step_s_min, "tokens_per_s": p.tokens_per_s,
+            "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "comm_bytes": comm_by_kind(p),
             "ranks": [{"rank": s.rank, "model_state_bytes": s.model_state,
                        "activation_bytes": s.activation_bytes,
                        "activation_bytes_per_microbatch": s.activation_per_microbatch,
@@ -111,7 +140,39 @@ def _pred_dict(p) -> dict:
 
 
 def as_json(result: dict, world: int, hw) -> dict:
-    return {"world": world, "hardware": vars(hw),
-            "fits": [_pred_dict(p) for p in result["fits"]],
-            "too_big": [_pred_dict(p) for p in result["too_big"]],
+    stats = {k: v for k, v in result.items() if k not in ("fits", "too_big", "invalid")}
+    return {"world": world, "hardware": vars(hw), "search": stats,
+            "fits": [pred_dict(p) for p in result["fits"]],
+            "too_big": [pred_dict(p) for p in result["too_big"]],
             "invalid": [{"layout": _plan_dict(plan), "reason": r} for plan, r in result["invalid"]]}
+
+
+def layout_report(pred, memory: list, found: list, hw) -> str:
+    """--layout: fits or not, memory per stage by device and kind, bytes per step by kind,
+    the step-time bounds, TFLOP/s per GPU and MFU; the fixes when it does not fit."""
+    p = pred
+    lines = [f"layout {layout_name(p.plan)}: "
+             + ("fits" if p.fits else "does NOT fit") + f" in {hw.gpu_mem_gb:g} GB "
+             f"(peak {p.peak_bytes / GB:.2f} GB)", "",
+             "memory per pipeline stage, GB (gpu; cpu = offloaded):",
+             f"  {'stage':>5} {'rank':>6} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+             f"{'buffers':>8} {'peak':>8}   cpu p/g/opt"]
+    for i, (row, st) in enumerate(zip(memory, p.stages)):
+        g, c = row["gpu"], row["cpu"]
+        lines.append(f"  {i:>5} {row['rank']:>6} {g['params'] / GB:>8.2f} {g['grads'] / GB:>8.2f} "
+                     f"{g['optimizer'] / GB:>8.2f} {g['activations'] / GB:>8.2f} "
+                     f"{g['buffers'] / GB:>8.2f} {st.memory['peak'] / GB:>8.2f}   "
+                     f"{c['params'] / GB:.2f}/{c['grads'] / GB:.2f}/{c['optimizer'] / GB:.2f}")
+    comm = comm_by_kind(p)
+    lines += ["", "bytes per step by kind (busiest stage), MB: "
+              + (", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(comm.items())) or "none"),
+              f"step {p.step_s * 1e3:.4g} ms (no overlap) .. {p.step_s_min * 1e3:.4g} ms (overlap), "
+              f"bubble {p.bubble:.2f}, {p.tokens_per_s:.4g} tokens/s, "
+              f"{p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {_mfu(p)}"]
+    if not p.fits:
+        lines += ["", "smallest changes that fit (fastest first):" if found else
+                  "no change of one or two settings makes it fit: try more GPUs or a smaller batch"]
+        for desc, q in found:
+            lines.append(f"  {desc:<44} -> {layout_name(q.plan)}: peak {q.peak_bytes / GB:.2f} GB, "
+                         f"step {q.step_s * 1e3:.4g} ms, MFU {_mfu(q)}")
+    return "\n".join(lines)

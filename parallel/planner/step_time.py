@@ -33,28 +33,13 @@ Tensor-parallel collectives, pipeline send/recv, ZeRO-0/1/2 gradient reductions 
 after backward), the gradient-norm all-reduce and offload's gradient copies stay exposed.
 The truth on a GPU lies between the two bounds; neither is a measurement.
 """
-from dataclasses import dataclass
-
 from ..mesh import rank_groups
+from .hardware import Hardware
 
 INSIDE_STEP = {"tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
                "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
 _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
          "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0}
-
-
-@dataclass(frozen=True)
-class Hardware:
-    gpu_mem_gb: float = 80.0        # memory per GPU (GB = 1e9 bytes)
-    gpus_per_node: int = 8
-    intra_bw_gbs: float = 150.0     # per-GPU bandwidth inside a node (GB/s)
-    inter_bw_gbs: float = 25.0      # per-GPU bandwidth between nodes (GB/s)
-    tflops: float = 150.0           # achievable dense TFLOP/s per GPU
-    host_bw_gbs: float = 25.0       # host <-> device copy bandwidth per GPU (GB/s, PCIe 4 x16)
-
-    @property
-    def gpu_mem_bytes(self) -> float:
-        return self.gpu_mem_gb * 1e9
 
 
 def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware) -> float:

@@ -1,0 +1,414 @@
+"""The layout search for large worlds: best-first over lower bounds, exact predictions only
+for layouts that can still make the top list.
+
+The exhaustive search (report.plan_all) predicts every candidate of enumerate.py; at world
+1024 there are tens of millions. Here candidates are grouped by structure (dp, cp, tp and its
+form, pp, ep, etp), then by pipeline schedule and micro-batches; every layout of a group runs
+at least the group's bound
+
+    bound = C / (1 - bubble) + A + G        (seconds; <= the predicted step_s, an upper bound)
+    C = the sum of all ranks' training FLOPs without recomputation (flops.model_flops with the
+        routing imbalance under ep) / world / achievable FLOP/s: the mean stage's compute
+    A = the mean stage's expert all-to-all (comm.py's payload with recompute off: 4 x local
+        batch tokens x K / (cp tp) rows of 4 D bytes per MoE layer, n_moe / pp layers, plus
+        the count tables) x (P-1)/P on the wire, at the intra-node bandwidth when the ep group
+        fits in one node's consecutive ranks ((ep-1) etp + 1 <= gpus per node), else inter
+    bubble = the group's schedule bubble (structures: the smallest of their schedules')
+    G = sync_seconds: the least gradient synchronisation any ZeRO setting does, run after
+        the pipeline
+
+The slowest stage is at least the mean stage, and ZeRO, offload, recomputation, tensor and
+data-parallel traffic only add, so no layout beats its bound. A group's own bound and each
+layout's (variant_bound) are tighter: every stage's compute from its real blocks
+(flops.rank_flops; the bubble stretches it), plus its expert all-to-all, pipeline send/recv
+and tensor-parallel traffic (comm.py's own terms, from the stage's blocks), and for the mean
+stage plus the gradient synchronisation of the layout's ZeRO setting (the group: of its
+cheapest). Memory: a layout whose largest stage's activations (memory.activations, exact)
+or mean stage's model state exceeds the GPU cannot fit; a group whose leanest layout (the
+highest ZeRO stage, deepest offload, recomputation) cannot fit is dropped whole. A group
+refused by validate for a reason that names no ZeRO / offload / recompute setting is
+refused whole (its layouts counted under that reason). Groups are expanded smallest
+bound first; the search stops when the next bound exceeds the top-th fitting step time: the
+top list (and its order) is the exhaustive search's (tests/unit/test_planner_search.py checks
+it at world 8 and 16). Layouts never expanded are counted, not listed.
+"""
+import bisect
+import collections
+import dataclasses
+import heapq
+import itertools
+
+from ..pipeline.schedules import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, bubble_fraction
+from .enumerate import _degrees, _expert_degrees, _tp_modes, _zero_family, rejection
+from .flops import model_flops
+from .predict import predict
+from .report import BUILD_ERRORS, rank_key
+
+SLACK = 1 - 1e-9  # bounds and predictions add the same terms in another order
+
+
+def structures(base, world: int, cps, cp_modes) -> list:
+    out = []
+    for tp, pp, cp in _degrees(world, cps):
+        dp = world // (tp * pp * cp)
+        modes = cp_modes if cp > 1 else (base.cp_mode,)
+        for (tp_mode, depth), (ep, etp), cp_mode in itertools.product(
+                _tp_modes(tp), _expert_degrees(dp * cp * tp), modes):
+            out.append(dict(dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth, pp=pp, cp=cp,
+                            cp_mode=cp_mode, ep=ep, etp=etp))
+    return out
+
+
+def pipelines(pp: int) -> list:
+    """(schedule, micro-batches) of a pipeline degree (enumerate.py's choices)."""
+    if pp == 1:
+        return [("1f1b", 0)]
+    return [(s, m) for s in PP_SCHEDULES for m in (pp, 2 * pp, 4 * pp, 8 * pp)]
+
+
+def _bubble(pp, schedule, m) -> float:
+    chunks = 2 if schedule in MULTI_STAGE_SCHEDULES else 1  # pp_stages_per_rank=0 (auto)
+    return bubble_fraction(schedule, pp, m, chunks)
+
+
+def a2a_seconds(w, s: dict, hw, n_moe: float = None) -> float:
+    """A of the module docstring for structure s (or for n_moe MoE layers)."""
+    if not w.has_moe() or s["ep"] == 1:
+        return 0.0
+    moe = w.moe_cfg
+    if n_moe is None:
+        n_moe = sum(1 for i in range(w.model_cfg.n_layers) if w.is_moe_block(i)) / s["pp"]
+    r = w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
+    rows = 0.0
+    for S in w.stream_tokens.values():
+        own = w.batch_size / s["dp"] * S / s["cp"] * moe.top_k / s["tp"]
+        if moe.capacity_factor and moe.capacity_factor < 1:
+            own *= moe.capacity_factor
+        rows += n_moe * 2 * (own + r * own)
+    nbytes = rows * w.model_cfg.d_model * 4
+    P = s["ep"]
+    inside = (P - 1) * s["etp"] + 1 <= hw.gpus_per_node
+    bw = (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
+    return nbytes * (P - 1) / P / bw
+
+
+def _inside_node(size: int, stride: int, hw) -> bool:
+    """A group of `size` ranks `stride` apart can lie in one node (else it surely spans two)."""
+    return (size - 1) * stride + 1 <= hw.gpus_per_node
+
+
+def state_bytes(model) -> tuple:
+    """(dense, expert) parameter bytes of the whole single-device model (tied weights once)."""
+    from ..kinds import is_expert_param
+    dense = expert = 0
+    for name, p in model.named_parameters():
+        if is_expert_param(name):
+            expert += p.numel() * p.element_size()
+        else:
+            dense += p.numel() * p.element_size()
+    return dense, expert
+
+
+def sync_seconds(s: dict, sizes: tuple, hw) -> float:
+    """The least gradient-synchronisation time of any ZeRO setting: each replica group moves
+    at least (P-1)/P of its mean stage's gradient bytes once (an all-reduce moves twice that,
+    ZeRO-1/2 gather the slices back, ZeRO-3 gathers the parameters each micro-batch; only
+    ZeRO++'s quantized reduce-scatter moves less, and its all-gather still moves this much).
+    Dense gradients: dense bytes / (tp pp) over the dp x cp replicas (tp ranks apart); expert
+    gradients: expert bytes / (ep etp pp) over edp = dp cp tp / (ep etp) ranks."""
+    dense, expert = sizes
+    out = 0.0
+    P = s["dp"] * s["cp"]
+    if P > 1:
+        bw = hw.intra_bw_gbs if _inside_node(P, s["tp"], hw) else hw.inter_bw_gbs
+        out += dense / (s["tp"] * s["pp"]) * (P - 1) / P / (bw * 1e9)
+    E = s["dp"] * s["cp"] * s["tp"] // (s["ep"] * s["etp"])
+    if E > 1 and expert:
+        bw = hw.intra_bw_gbs if _inside_node(E, s["ep"] * s["etp"], hw) else hw.inter_bw_gbs
+        out += expert / (s["ep"] * s["etp"] * s["pp"]) * (E - 1) / E / (bw * 1e9)
+    return out
+
+
+@dataclasses.dataclass
+class _Blocks:
+    """What memory.activations and comm.py's pipeline and tensor-parallel terms read of a
+    rank state: its blocks, its ends, its rank (the first of its pipeline rank)."""
+    block_ids: list
+    last_stage: bool
+    first_stage: bool = True
+    rank: int = 0
+    replicated_tp_bytes: int = 0   # left out: the bound stays below the prediction
+    grid_grad_sums: dict = dataclasses.field(default_factory=dict)  # left out, likewise
+
+
+def _state_gb_bound(plan, sizes, optimizer: str) -> float:
+    """The least GPU bytes of params + gradients + optimizer state of the mean stage (the
+    optimizer-step phase holds all three): memory.py's model with bytes / (tp pp) dense over
+    the dp x cp replicas and / (ep etp pp) expert over edp, AdamW's 2 moments (Adafactor: 0),
+    ZeRO-1/2's fp32 master slices, offload's moves to the host."""
+    dense, expert = sizes
+    total = 0.0
+    for x, n in ((dense / (plan.tp * plan.pp), plan.replicas),
+                 (expert / (plan.ep * plan.etp * plan.pp), plan.edp)):
+        moments = 0.0 if optimizer == "adafactor" else 2 * x
+        params, grads, opt = {0: (x, x, moments), 1: (x, x, (x + moments) / n),
+                              2: (x, x / n, (x + moments) / n),
+                              3: (x / n, x / n, moments / n)}[plan.zero]
+        if plan.offload != "none":
+            opt = 0.0
+            if plan.zero in (2, 3) or plan.offload == "params":
+                grads = 0.0
+            if plan.offload == "params":
+                params = 0.0
+        total += params + grads + opt
+    return total
+
+
+def memory_bound(w, plan, sizes) -> float:
+    """A lower bound of the layout's peak bytes: the largest stage's activations
+    (memory.activations, exact: it needs only the stage's blocks) or the mean stage's model
+    state (_state_gb_bound), whichever is larger."""
+    from ..pipeline.layers import stage_blocks
+    from .memory import activations
+    worst = 0
+    if plan.pp == 1:
+        worst = activations(w, plan, _Blocks([], True), 0).total
+    else:
+        layers = stage_blocks(plan.pp_layers, w.model_cfg.n_layers, plan.num_stages)
+        for r in range(plan.pp):
+            stages = plan.stages_of(r)
+            state = _Blocks(sorted(i for st in stages for i in layers[st]), plan.num_stages - 1 in stages)
+            worst = max(worst, activations(w, plan, state, r).total)
+    return max(worst, _state_gb_bound(plan, sizes, w.optimizer))
+
+
+def _stage_blocks(w, plan) -> list:
+    """[_Blocks] per pipeline rank of a plan whose pp_layers are resolved."""
+    if plan.pp == 1:
+        return [_Blocks(list(range(w.model_cfg.n_layers)), True)]
+    from ..pipeline.layers import stage_blocks
+    layers = stage_blocks(plan.pp_layers, w.model_cfg.n_layers, plan.num_stages)
+    return [_Blocks(sorted(i for st in plan.stages_of(r) for i in layers[st]),
+                    plan.num_stages - 1 in plan.stages_of(r), 0 in plan.stages_of(r), r * plan.pool)
+            for r in range(plan.pp)]
+
+
+def inside_seconds(w, plan, state, hw) -> float:
+    """The stage's pipeline send/recv and tensor-parallel traffic (comm.py's terms, all run
+    inside the step), at the intra-node bandwidth where the group can lie in one node."""
+    from collections import Counter
+
+    from .comm import _grid_tensor, _pipeline, _tensor
+    from .step_time import _WIRE
+    q = plan.tp_grid or 1
+    sizes = {"pp": plan.pp, "tp": plan.tp, "tpc": q, "tpr": q, "tpd": plan.tp_depth}
+    # the tp group is consecutive ranks; a grid dim's stride is unknown here, so only a
+    # group larger than a node surely leaves it
+    inside = {"pp": _inside_node(plan.pp, plan.pool, hw), "tp": _inside_node(plan.tp, 1, hw),
+              **{d: sizes[d] <= hw.gpus_per_node for d in ("tpc", "tpr", "tpd")}}
+    total = [0.0]
+
+    def seconds(collective, dim, nbytes):
+        P = sizes.get(dim, 1)
+        if P <= 1 or not nbytes:
+            return 0.0
+        bw = hw.intra_bw_gbs if inside[dim] else hw.inter_bw_gbs
+        return nbytes * _WIRE.get(collective, lambda n: 1.0)(P) / (bw * 1e9)
+
+    def book(collective, dim, nbytes):
+        if dim in sizes:
+            total[0] += seconds(collective, dim, nbytes)
+    _pipeline(w, plan, state, book)
+    if plan.tp > 1 and plan.tp_mode == "1d":
+        out = Counter()
+        _tensor(w, plan, state, book, out, [])
+        total[0] += seconds("pair", "tp", out["tensor_parallel"])
+    elif plan.tp > 1:
+        _grid_tensor(w, plan, state, book)
+    return total[0]
+
+
+def _sync_factor(plan, m: int) -> float:
+    """Times (P-1)/P of the gradient bytes the layout's ZeRO setting moves at least (comm.py):
+    all-reduce 2; ZeRO-1 + the slices' gather; ZeRO-2 reduce-scatter (qgZ: int8, >= 1/4) +
+    gather; ZeRO-3 the forward gathers of every micro-batch (qwZ >= 1/4) + the reduce-scatter
+    (backward gathers left out: hpZ keeps them in the node, the root skips them)."""
+    q = 0.25
+    scatter = q if plan.zeropp_quantize_grads else 1.0
+    return {0: 2.0, 1: 3.0, 2: scatter + 1.0,
+            3: m * (q if plan.zeropp_quantize_weights else 1.0) + scatter}[plan.zero]
+
+
+def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: float = None) -> float:
+    """A lower bound of one layout's step_s: every stage's compute (flops.rank_flops, exact
+    from its blocks) and expert all-to-all (comm.py's payload from its MoE blocks) stretched
+    by the bubble, and for the mean stage the gradient synchronisation of its ZeRO setting."""
+    from .comm import micro_count
+    from .flops import rank_flops
+    bubble = _bubble(plan.pp, plan.pp_schedule, plan.microbatches)
+    s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=1, ep=plan.ep, etp=plan.etp)
+    per_layer = a2a_seconds(w, s, hw, n_moe=1) * (1.5 if plan.recompute == "full" else 1.0)
+    xs = []
+    for st in stages:
+        n_moe = sum(1 for i in st.block_ids if w.is_moe_block(i)) if w.has_moe() else 0
+        # communication is not stretched by the bubble: the prediction stretches only the
+        # kinds the ledger classifies as inside the step, and a group serving several dims
+        # (the grid's, a pool equal to the tp group) may be classified otherwise
+        compute = rank_flops(costs, w, plan, st) / (hw.tflops * 1e12) / (1 - bubble)
+        xs.append(compute + n_moe * per_layer + inside_seconds(w, plan, st, hw))
+    if sync_factor is None:
+        sync_factor = _sync_factor(plan, micro_count(w, plan))
+    g = sync_seconds(dict(s, pp=plan.pp), sizes, hw) * sync_factor
+    return max(max(xs), sum(xs) / len(xs) + g)
+
+
+def _with_layers(w, plan, memo: dict):
+    """The plan with its pp_layers resolved as validate would (ValueError where it cannot);
+    memo: {(spec, stages): resolved or the error} (the balancer is exact but not free)."""
+    if plan.pp == 1:
+        return plan
+    key = (plan.pp_layers, plan.num_stages)
+    if key not in memo:
+        from ..pipeline.layers import resolve
+        moe = w.moe_cfg if w.has_moe() else None
+        try:
+            memo[key] = resolve(plan.pp_layers, plan.num_stages, w.model_cfg, moe,
+                                w.stream_tokens.get("decoder"))
+        except ValueError as e:
+            memo[key] = e
+    if isinstance(memo[key], ValueError):
+        raise ValueError(*memo[key].args)
+    return dataclasses.replace(plan, pp_layers=memo[key])
+
+
+def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloads, zeropp,
+            gpus_per_node) -> list:
+    """[(bound, (s, schedule, m, stages)) or None (even its leanest layout overflows)] of a
+    structure: the bound of its fastest conceivable layout (no recomputation, the ZeRO
+    setting that moves the fewest bytes), the memory of its leanest (the highest ZeRO stage,
+    the deepest offload, recomputation)."""
+    from .comm import micro_count
+    out = []
+    for sch, m in pipelines(s["pp"]):
+        plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
+                                   zero=max(zeros), recompute="none")
+        if plan.pp > 1 and not plan.pp_layers and w.model_cfg.n_layers % plan.num_stages:
+            plan = dataclasses.replace(plan, pp_layers="auto")
+        try:
+            plan = _with_layers(w, plan, memo)
+        except ValueError as e:
+            n = sum(len(_zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)) for z in zeros)
+            out.append(("refused", plan, rejection(e), n * len(recomputes)))
+            continue
+        family = [dataclasses.replace(plan, zero=z, **f) for z in zeros
+                  for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
+        plain = dataclasses.replace(family[0], recompute="none")
+        try:
+            w.validate(plain, world)
+        except ValueError as e:
+            reason = rejection(e)
+            if not any(f in reason for f in _VARIANT_FIELDS):  # the structure itself is refused
+                out.append(("refused", plain, reason, len(family) * len(recomputes)))
+                continue
+        stages = _stage_blocks(w, plan)
+        mc = micro_count(w, plan)
+        least = min(_sync_factor(p, mc) for p in family)
+        leanest = min(family, key=lambda p: (-p.zero, OFFLOAD_DEPTH.index(p.offload) * -1))
+        if "full" in recomputes:
+            leanest = dataclasses.replace(leanest, recompute="full")
+        if memory_bound(w, leanest, sizes) > hw.gpu_mem_bytes:
+            out.append(None)
+            continue
+        out.append((variant_bound(w, plan, costs, hw, sizes, stages, least) * SLACK, (s, sch, m, stages)))
+    return out
+
+
+OFFLOAD_DEPTH = ("none", "optimizer", "params")
+# a refusal naming none of these holds for every ZeRO / offload / recompute variant
+_VARIANT_FIELDS = ("zero", "offload", "recompute", "zeropp", "hpz", "micro_batch", "optimizer")
+
+
+def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2, 3),
+           recomputes=("none", "full"), offloads=("none", "optimizer", "params"),
+           zeropp=(False, True), gpus_per_node: int = 8, cps=(1,), cp_modes=("ring", "ulysses")) -> dict:
+    """report.plan_all's result for the layouts examined, plus "examined"/"pruned" counts."""
+    flops_s = {}
+
+    def compute(s):
+        imb = w.imbalance if s["ep"] > 1 else 1.0
+        if imb not in flops_s:
+            flops_s[imb] = model_flops(costs, w, imb) / (hw.tflops * 1e12)
+        return flops_s[imb] / world
+
+    heap, tick = [], itertools.count()
+    sizes = state_bytes(w.build_model())
+    for s in structures(base, world, cps, cp_modes):
+        least = min(_bubble(s["pp"], sch, m) for sch, m in pipelines(s["pp"]))
+        bound = compute(s) / (1 - least) + a2a_seconds(w, s, hw) + sync_seconds(s, sizes, hw)
+        heapq.heappush(heap, (bound * SLACK, next(tick), "structure", (s,)))
+    fits, too_big, invalid = [], [], []
+    examined = slower = overflow = overflow_groups = 0
+    refused_counts = collections.Counter()  # reason -> layouts (a refused group counts all)
+    memo = {}
+    n_layers = getattr(w.model_cfg, "n_layers", 0)
+
+    best = []  # the top fitting step times, ascending
+
+    def kth() -> float:
+        return best[top - 1] if len(best) >= top else float("inf")
+
+    while heap and heap[0][0] <= kth():
+        _, _, kind, item = heapq.heappop(heap)
+        if kind == "structure":
+            for entry in _groups(w, base, item[0], world, hw, costs, sizes, memo, zeros,
+                                 recomputes, offloads, zeropp, gpus_per_node):
+                if entry is None:
+                    overflow_groups += 1
+                elif entry[0] == "refused":
+                    invalid.append((entry[1], entry[2]))
+                    refused_counts[entry[2]] += entry[3]
+                else:
+                    heapq.heappush(heap, (entry[0], next(tick), "group", entry[1]))
+            continue
+        s, sch, m, stages = item
+        for zero in zeros:
+            for family in _zero_family(zero, s["dp"], s["tp"], offloads, zeropp, gpus_per_node):
+                for rc in recomputes:
+                    plan = dataclasses.replace(base, **s, zero=zero, recompute=rc, pp_schedule=sch,
+                                               microbatches=m, pp_stages_per_rank=0, **family)
+                    if plan.pp > 1 and not plan.pp_layers and n_layers % plan.num_stages:
+                        plan = dataclasses.replace(plan, pp_layers="auto")
+                    examined += 1
+                    try:
+                        plan = _with_layers(w, plan, memo)
+                        if variant_bound(w, plan, costs, hw, sizes, stages) * SLACK > kth():
+                            slower += 1
+                            continue
+                        if memory_bound(w, plan, sizes) > hw.gpu_mem_bytes:
+                            overflow += 1
+                            continue
+                        plan = w.validate(plan, world)
+                    except ValueError as e:
+                        invalid.append((plan, rejection(e)))
+                        refused_counts[rejection(e)] += 1
+                        continue
+                    try:
+                        pred = predict(w, plan, hw, costs, cache)
+                    except BUILD_ERRORS as e:
+                        invalid.append((plan, f"parallelize: {rejection(e)}"))
+                        refused_counts[f"parallelize: {rejection(e)}"] += 1
+                        continue
+                    if pred.fits:
+                        fits.append(pred)
+                        bisect.insort(best, pred.step_s)
+                        del best[top:]
+                    else:
+                        too_big.append(pred)
+    pruned = sum(1 for e in heap if e[2] == "group") + \
+        sum(len(pipelines(e[3][0]["pp"])) for e in heap if e[2] == "structure")
+    fits.sort(key=rank_key)
+    too_big.sort(key=lambda p: p.peak_bytes)
+    return {"fits": fits, "too_big": too_big, "invalid": invalid, "examined": examined,
+            "pruned_groups": pruned, "bounded_slower": slower, "bounded_overflow": overflow,
+            "overflow_groups": overflow_groups, "refused_counts": dict(refused_counts),
+            "predicted": len(fits) + len(too_big)}

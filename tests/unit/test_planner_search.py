@@ -1,0 +1,53 @@
+"""The bounded best-first search (parallel/planner/search.py) against the exhaustive one:
+the same top list, in the same order, at world 8 and 16 (configs/gshard_gpt.toml on H100s,
+where memory binds: the memory bounds prune too), and every bound below the prediction it
+bounds."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from parallel.planner import StateCache, preset
+from parallel.planner.flops import model_costs
+from parallel.planner.report import layout_name, plan_all
+from parallel.planner.search import _stage_blocks, memory_bound, search, state_bytes, variant_bound
+from trainer.config import load_config
+from trainer.planning import workload_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KW = dict(zeros=(0, 1, 2, 3), offloads=("none", "optimizer"), zeropp=(False, True))
+CPS = {8: (1, 2), 16: (1,)}  # (cp 2 at world 16 doubles the exhaustive reference's time)
+
+
+@pytest.fixture(scope="module")
+def gshard():
+    cfg = load_config(str(ROOT / "configs" / "gshard_gpt.toml"), [])
+    w = workload_from_config(cfg)
+    return cfg, w, model_costs(w.build_model(), w)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("world", [8, 16])
+def test_search_top_list_equals_the_exhaustive_one(gshard, world):
+    cfg, w, costs = gshard
+    hw = preset("h100")
+    full = plan_all(w, cfg.parallel, world, hw, costs, StateCache(w.build_model), cps=CPS[world], **KW)
+    fast = search(w, cfg.parallel, world, hw, costs, StateCache(w.build_model), top=10, cps=CPS[world], **KW)
+    want = [(layout_name(p.plan), p.step_s) for p in full["fits"][:10]]
+    got = [(layout_name(p.plan), p.step_s) for p in fast["fits"][:10]]
+    assert len(want) == 10 and got == want
+    assert fast["predicted"] < (len(full["fits"]) + len(full["too_big"])) / 4  # it did prune
+    # the bounds never exceed what they bound (a bound above a prediction could drop a layout)
+    sizes = state_bytes(w.build_model())
+    for p in full["fits"][::7] + full["too_big"][::7]:
+        stages = _stage_blocks(w, p.plan)
+        assert variant_bound(w, p.plan, costs, hw, sizes, stages) <= p.step_s * (1 + 1e-9), layout_name(p.plan)
+        assert memory_bound(w, p.plan, sizes) <= p.peak_bytes * (1 + 1e-9), layout_name(p.plan)
+
+
+def test_a_lower_memory_keeps_only_layouts_that_fit(gshard):
+    cfg, w, costs = gshard
+    hw = dataclasses.replace(preset("h100"), gpu_mem_gb=20.0)
+    fast = search(w, cfg.parallel, 16, hw, costs, StateCache(w.build_model), top=5, cps=(1, 2), **KW)
+    assert fast["fits"] and all(p.peak_bytes <= 20e9 for p in fast["fits"])
+    assert fast["bounded_overflow"] + fast["overflow_groups"] > 0
