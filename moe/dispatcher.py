@@ -76,6 +76,10 @@ def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch
     bag_order_N = torch.sort(key_N, stable=True).indices
     counts_T = torch.bincount(meta.token_N, minlength=T)
     offsets_T = torch.cumsum(counts_T, 0) - counts_T
+    if y_ND.is_cuda and y_ND.dtype == torch.bfloat16 and torch.is_grad_enabled():
+        # CUDA has no bf16 kernel for the gates' gradient (per-sample-weights backward;
+        # measured on an H200, torch 2.11): this case weighs in fp32 (one fp32 copy of y)
+        y_ND = y_ND.float()
     gate_N = meta.gate_N[bag_order_N].to(y_ND.dtype)
     out_TD = F.embedding_bag(bag_order_N, y_ND, offsets_T, mode="sum", per_sample_weights=gate_N)
     return out_TD.to(out_dtype)

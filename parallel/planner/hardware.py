@@ -16,9 +16,11 @@ plus the host link:
 (NVIDIA A100/H100/H200/B200 and AMD Instinct MI300X data sheets.)
 
 How the planner's numbers come from them -- one rule for every preset, nothing per model:
-  achievable dense TFLOP/s = peak x GEMM_EFFICIENCY (0.70: large bf16 matmuls reach about
-                             70% of the tensor-core peak; the step time divides the
-                             model's FLOPs by it, so MFU can never exceed 0.70)
+  achievable dense TFLOP/s = peak x GEMM_EFFICIENCY (0.70; bench/gemm_efficiency.py on an
+                             H200, torch 2.11: bf16 8192^3 77.0% of 989, Mixtral's expert
+                             matmuls 75.5% / 72.7%, a 16384 x 4096 x 12288 qkv 73.8%,
+                             DeepSeek-V3's small expert matmul 56.3%; the step time divides
+                             the model's FLOPs by it, so MFU can never exceed 0.70)
   collective bandwidth     = link x BUS_EFFICIENCY (0.80: ring/pairwise collectives reach
                              about 80% of the per-direction link rate as bus bandwidth),
                              NVLink/Infinity Fabric inside a node, the NIC between nodes
