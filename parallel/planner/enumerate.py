@@ -40,22 +40,34 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
     out = []
     for tp, pp, cp in _degrees(world, cps):
         dp = world // (tp * pp * cp)
-        schedules = PP_SCHEDULES if pp > 1 else ("1f1b",)
-        mbs = (pp, 2 * pp, 4 * pp, 8 * pp) if pp > 1 else (0,)
         modes = cp_modes if cp > 1 else (base.cp_mode,)
         for (tp_mode, depth), (ep, etp), cp_mode in itertools.product(
                 _tp_modes(tp), _expert_degrees(dp * cp * tp), modes):
             for zero in zeros:
                 for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
                     for rc in recomputes:
-                        for sched in schedules:
-                            for mb in mbs:
-                                out.append(dataclasses.replace(
-                                    base, dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth,
-                                    pp=pp, cp=cp, cp_mode=cp_mode, ep=ep, etp=etp, zero=zero,
-                                    recompute=rc, pp_schedule=sched, microbatches=mb,
-                                    pp_stages_per_rank=0, **family))
+                        for sched, mb in pipelines(pp):
+                            out.append(dataclasses.replace(
+                                base, dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth,
+                                pp=pp, cp=cp, cp_mode=cp_mode, ep=ep, etp=etp, zero=zero,
+                                recompute=rc, pp_schedule=sched, microbatches=mb,
+                                pp_stages_per_rank=0, **family))
     return out
+
+
+def pipelines(pp: int) -> list:
+    """(schedule, micro-batches) of a pipeline degree: each schedule with pp, 2pp, 4pp, 8pp."""
+    if pp == 1:
+        return [("1f1b", 0)]
+    return [(s, m) for s in PP_SCHEDULES for m in (pp, 2 * pp, 4 * pp, 8 * pp)]
+
+
+def with_default_layers(plan, n_layers: int):
+    """The plan, with pp_layers=auto where it asks for even stages that the layers do not
+    divide (uneven counts are planned balanced)."""
+    if plan.pp > 1 and not plan.pp_layers and n_layers % plan.num_stages:
+        return dataclasses.replace(plan, pp_layers="auto")
+    return plan
 
 
 def _degrees(world: int, cps) -> list:
@@ -108,8 +120,7 @@ def layouts(w, base, world: int, **kw) -> tuple:
     ok, rejected = [], []
     n_layers = getattr(w.model_cfg, "n_layers", 0)
     for plan in candidates(base, world, **kw):
-        if plan.pp > 1 and not plan.pp_layers and n_layers % plan.num_stages:
-            plan = dataclasses.replace(plan, pp_layers="auto")  # uneven: balanced stages
+        plan = with_default_layers(plan, n_layers)
         try:
             ok.append(w.validate(plan, world))
         except ValueError as e:

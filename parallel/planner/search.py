@@ -38,8 +38,9 @@ import dataclasses
 import heapq
 import itertools
 
-from ..pipeline.schedules import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, bubble_fraction
-from .enumerate import _degrees, _expert_degrees, _tp_modes, _zero_family, rejection
+from ..pipeline.schedules import MULTI_STAGE_SCHEDULES, bubble_fraction
+from .enumerate import (_degrees, _expert_degrees, _tp_modes, _zero_family, pipelines, rejection,
+                        with_default_layers)
 from .flops import model_flops
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
@@ -57,13 +58,6 @@ def structures(base, world: int, cps, cp_modes) -> list:
             out.append(dict(dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth, pp=pp, cp=cp,
                             cp_mode=cp_mode, ep=ep, etp=etp))
     return out
-
-
-def pipelines(pp: int) -> list:
-    """(schedule, micro-batches) of a pipeline degree (enumerate.py's choices)."""
-    if pp == 1:
-        return [("1f1b", 0)]
-    return [(s, m) for s in PP_SCHEDULES for m in (pp, 2 * pp, 4 * pp, 8 * pp)]
 
 
 def _bubble(pp, schedule, m) -> float:
@@ -168,17 +162,8 @@ def memory_bound(w, plan, sizes) -> float:
     """A lower bound of the layout's peak bytes: the largest stage's activations
     (memory.activations, exact: it needs only the stage's blocks) or the mean stage's model
     state (_state_gb_bound), whichever is larger."""
-    from ..pipeline.layers import stage_blocks
     from .memory import activations
-    worst = 0
-    if plan.pp == 1:
-        worst = activations(w, plan, _Blocks([], True), 0).total
-    else:
-        layers = stage_blocks(plan.pp_layers, w.model_cfg.n_layers, plan.num_stages)
-        for r in range(plan.pp):
-            stages = plan.stages_of(r)
-            state = _Blocks(sorted(i for st in stages for i in layers[st]), plan.num_stages - 1 in stages)
-            worst = max(worst, activations(w, plan, state, r).total)
+    worst = max(activations(w, plan, st, r).total for r, st in enumerate(_stage_blocks(w, plan)))
     return max(worst, _state_gb_bound(plan, sizes, w.optimizer))
 
 
@@ -245,7 +230,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: float = None) 
     by the bubble, and for the mean stage the gradient synchronisation of its ZeRO setting."""
     from .comm import micro_count
     from .flops import rank_flops
-    bubble = _bubble(plan.pp, plan.pp_schedule, plan.microbatches)
+    bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
     s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=1, ep=plan.ep, etp=plan.etp)
     per_layer = a2a_seconds(w, s, hw, n_moe=1) * (1.5 if plan.recompute == "full" else 1.0)
     xs = []
@@ -292,8 +277,7 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
     for sch, m in pipelines(s["pp"]):
         plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
                                    zero=max(zeros), recompute="none")
-        if plan.pp > 1 and not plan.pp_layers and w.model_cfg.n_layers % plan.num_stages:
-            plan = dataclasses.replace(plan, pp_layers="auto")
+        plan = with_default_layers(plan, w.model_cfg.n_layers)
         try:
             plan = _with_layers(w, plan, memo)
         except ValueError as e:
@@ -376,8 +360,7 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
                 for rc in recomputes:
                     plan = dataclasses.replace(base, **s, zero=zero, recompute=rc, pp_schedule=sch,
                                                microbatches=m, pp_stages_per_rank=0, **family)
-                    if plan.pp > 1 and not plan.pp_layers and n_layers % plan.num_stages:
-                        plan = dataclasses.replace(plan, pp_layers="auto")
+                    plan = with_default_layers(plan, n_layers)
                     examined += 1
                     try:
                         plan = _with_layers(w, plan, memo)
