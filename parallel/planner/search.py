@@ -65,13 +65,12 @@ def _bubble(pp, schedule, m) -> float:
     return bubble_fraction(schedule, pp, m, chunks)
 
 
-def a2a_seconds(w, s: dict, hw, n_moe: float = None) -> float:
-    """A of the module docstring for structure s (or for n_moe MoE layers)."""
+def a2a_seconds(w, s: dict, hw) -> float:
+    """A of the module docstring for structure s (a layout's bound uses comm.py's own term)."""
     if not w.has_moe() or s["ep"] == 1:
         return 0.0
     moe = w.moe_cfg
-    if n_moe is None:
-        n_moe = sum(1 for i in range(w.model_cfg.n_layers) if w.is_moe_block(i)) / s["pp"]
+    n_moe = sum(1 for i in range(w.model_cfg.n_layers) if w.is_moe_block(i)) / s["pp"]
     r = w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
     rows = 0.0
     for S in w.stream_tokens.values():
@@ -179,17 +178,19 @@ def _stage_blocks(w, plan) -> list:
 
 
 def inside_seconds(w, plan, state, hw) -> float:
-    """The stage's pipeline send/recv and tensor-parallel traffic (comm.py's terms, all run
-    inside the step), at the intra-node bandwidth where the group can lie in one node."""
+    """The stage's expert all-to-all, pipeline send/recv and tensor-parallel traffic
+    (comm.py's own terms, all run inside the step), at the intra-node bandwidth where the
+    group can lie in one node."""
     from collections import Counter
 
-    from .comm import _grid_tensor, _pipeline, _tensor
+    from .comm import _experts, _grid_tensor, _pipeline, _tensor
     from .step_time import _WIRE
     q = plan.tp_grid or 1
-    sizes = {"pp": plan.pp, "tp": plan.tp, "tpc": q, "tpr": q, "tpd": plan.tp_depth}
-    # the tp group is consecutive ranks; a grid dim's stride is unknown here, so only a
-    # group larger than a node surely leaves it
+    sizes = {"pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "tpc": q, "tpr": q, "tpd": plan.tp_depth}
+    # the tp group is consecutive ranks, an ep group etp apart; a grid dim's stride is
+    # unknown here, so only a group larger than a node surely leaves it
     inside = {"pp": _inside_node(plan.pp, plan.pool, hw), "tp": _inside_node(plan.tp, 1, hw),
+              "ep": _inside_node(plan.ep, plan.etp, hw),
               **{d: sizes[d] <= hw.gpus_per_node for d in ("tpc", "tpr", "tpd")}}
     total = [0.0]
 
@@ -204,6 +205,7 @@ def inside_seconds(w, plan, state, hw) -> float:
         if dim in sizes:
             total[0] += seconds(collective, dim, nbytes)
     _pipeline(w, plan, state, book)
+    _experts(w, plan, state, book)
     if plan.tp > 1 and plan.tp_mode == "1d":
         out = Counter()
         _tensor(w, plan, state, book, out, [])
@@ -226,24 +228,23 @@ def _sync_factor(plan, m: int) -> float:
 
 def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: float = None) -> float:
     """A lower bound of one layout's step_s: every stage's compute (flops.rank_flops, exact
-    from its blocks) and expert all-to-all (comm.py's payload from its MoE blocks) stretched
-    by the bubble, and for the mean stage the gradient synchronisation of its ZeRO setting."""
+    from its blocks) stretched by the bubble plus its inside-the-step traffic
+    (inside_seconds: comm.py's expert all-to-all, pipeline and tensor-parallel terms), and
+    for the mean stage the gradient synchronisation of its ZeRO setting."""
     from .comm import micro_count
     from .flops import rank_flops
     bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
-    s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=1, ep=plan.ep, etp=plan.etp)
-    per_layer = a2a_seconds(w, s, hw, n_moe=1) * (1.5 if plan.recompute == "full" else 1.0)
+    s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp)
     xs = []
     for st in stages:
-        n_moe = sum(1 for i in st.block_ids if w.is_moe_block(i)) if w.has_moe() else 0
         # communication is not stretched by the bubble: the prediction stretches only the
         # kinds the ledger classifies as inside the step, and a group serving several dims
         # (the grid's, a pool equal to the tp group) may be classified otherwise
         compute = rank_flops(costs, w, plan, st) / (hw.tflops * 1e12) / (1 - bubble)
-        xs.append(compute + n_moe * per_layer + inside_seconds(w, plan, st, hw))
+        xs.append(compute + inside_seconds(w, plan, st, hw))
     if sync_factor is None:
         sync_factor = _sync_factor(plan, micro_count(w, plan))
-    g = sync_seconds(dict(s, pp=plan.pp), sizes, hw) * sync_factor
+    g = sync_seconds(s, sizes, hw) * sync_factor
     return max(max(xs), sum(xs) / len(xs) + g)
 
 
