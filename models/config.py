@@ -16,6 +16,7 @@ from moe.config import ROUTER_KINDS as ROUTERS
 from moe.scoring import SCORE_FUNCS
 
 ARCHS = ("gpt", "switch")
+ATTENTIONS = ("mha", "mla")
 POSITIONS = ("rope", "learned")
 NORMS = ("rmsnorm", "layernorm")
 
@@ -66,19 +67,21 @@ class ModelConfig:
     activation: str = _help("gelu", "FFN/expert activation: gelu, gelu_tanh, relu, silu, swiglu, geglu, ... (moe.ACTIVATIONS)")
     bias: bool = _help(False, "gpt: biases in attention and FFN linears (switch never has biases)")
     init_std: float = _help(0.02, "std of the normal init; output projections use init_std/sqrt(2*n_layers)")
+    n_kv_heads: int = _help(0, "gpt: key/value heads (grouped-query attention, each shared by n_heads/n_kv_heads query heads); 0 = n_heads")
+    head_dim: int = _help(0, "gpt: width of each head (mla: of its non-rotary query/key part); 0 = d_model / n_heads")
+    qk_norm: bool = _help(False, "gpt: RMSNorm over each query and key head before the rotary (Qwen3)")
+    attention: str = _help("mha", "gpt attention: 'mha' (multi-head, grouped-query with n_kv_heads) or 'mla' (DeepSeek multi-head latent attention)")
+    q_lora_rank: int = _help(0, "mla: rank of the compressed query (a down and an up projection with a norm between); 0 = one query projection")
+    kv_lora_rank: int = _help(512, "mla: rank of the compressed key/value latent")
+    qk_rope_head_dim: int = _help(64, "mla: rotary part of each query/key head (the key's is shared by all heads)")
+    v_head_dim: int = _help(0, "mla: width of each value head; 0 = head_dim")
 
     def validate(self) -> "ModelConfig":
         s = "model"
         _choice(self, s, "arch", ARCHS)
         _positive_int(self, s, ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
                                 "max_seq_len", "rel_pos_buckets", "rel_pos_max_distance"))
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model="
-                             f"{self.d_model}; pick n_heads that divides d_model")
-        head_dim = self.d_model // self.n_heads
-        if self.arch == "gpt" and self.positions == "rope" and head_dim % 2:
-            raise ValueError(f"model.positions='rope' needs an even head dim, got d_model/n_heads="
-                             f"{head_dim}; change model.d_model or model.n_heads")
+        self._check_attention()
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         _choice(self, s, "positions", POSITIONS)
@@ -92,9 +95,86 @@ class ModelConfig:
                 raise ValueError(f"model.{n}={getattr(self, n)} must be > 0")
         return self
 
+    def _check_attention(self) -> None:
+        for n in ("n_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                  "v_head_dim"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"model.{n}={v!r} must be an integer >= 0")
+        _choice(self, "model", "attention", ATTENTIONS)
+        if self.qk_norm not in (True, False):
+            raise ValueError(f"model.qk_norm={self.qk_norm!r} must be true or false")
+        if self.arch != "gpt":
+            changed = [n for n in ("n_kv_heads", "head_dim", "qk_norm") if getattr(self, n)]
+            changed += ["attention"] if self.attention != "mha" else []
+            if changed:
+                raise ValueError(f"model.{changed[0]} is implemented for model.arch='gpt' only; "
+                                 f"remove it for arch={self.arch!r}")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model="
+                             f"{self.d_model}; pick n_heads that divides d_model or set model.head_dim")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads="
+                             f"{self.n_heads}; pick a divisor (0 = n_heads)")
+        if self.attention == "mla":
+            if self.n_kv_heads or self.qk_norm:
+                raise ValueError("model.attention='mla' has no separate key/value heads or qk_norm; "
+                                 "set model.n_kv_heads=0 and model.qk_norm=false")
+            if self.positions != "rope" or self.kv_lora_rank < 1 or self.qk_rope_head_dim < 2:
+                raise ValueError("model.attention='mla' needs model.positions='rope', "
+                                 "model.kv_lora_rank >= 1 and model.qk_rope_head_dim >= 2")
+        if self.arch == "gpt" and self.positions == "rope" and self.rope_dim % 2:
+            raise ValueError(f"model.positions='rope' needs an even rotary width, got {self.rope_dim}; "
+                             f"change model.d_model, model.n_heads or model.head_dim")
+
+    # ---- attention widths (one answer for the model, the planner and the pipeline balancer)
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def nope_dim(self) -> int:
+        """Each head's width (mla: its non-rotary query/key part)."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of each query/key head as attention scores it."""
+        return self.nope_dim + (self.qk_rope_head_dim if self.attention == "mla" else 0)
+
+    @property
+    def v_dim(self) -> int:
+        return (self.v_head_dim or self.nope_dim) if self.attention == "mla" else self.nope_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Width the rotary embedding turns (mla: the rotary part only)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.nope_dim
+
+    def attention_params(self) -> int:
+        """Matmul weights of one self-attention module (no biases, no norms)."""
+        D, H = self.d_model, self.n_heads
+        if self.attention == "mla":
+            q = (D * self.q_lora_rank + self.q_lora_rank * H * self.qk_dim if self.q_lora_rank
+                 else D * H * self.qk_dim)
+            kv = D * (self.kv_lora_rank + self.qk_rope_head_dim) + \
+                self.kv_lora_rank * H * (self.nope_dim + self.v_dim)
+            return q + kv + H * self.v_dim * D
+        return D * (H + 2 * self.kv_heads) * self.nope_dim + H * self.nope_dim * D
+
+    def attention_score_width(self) -> int:
+        """Multiply-adds per (query, key) pair over all heads: QK^T and AV."""
+        return self.n_heads * (self.qk_dim + self.v_dim)
+
+    def attention_saved_width(self) -> int:
+        """Elements per token attention saves for backward beyond its input: query, key and
+        value heads (keys/values repeated to every query head), the core's output, and the
+        latents of mla."""
+        H = self.n_heads
+        core = H * (2 * self.qk_dim + 2 * self.v_dim)
+        if self.attention == "mla":
+            core += self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim
+        return core
 
 
 @dataclass

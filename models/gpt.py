@@ -10,7 +10,7 @@ maps hidden states [B, S, D] to hidden states (or logits on the last stage).
 import torch
 import torch.nn as nn
 
-from .layers import Attention, Embedding, Linear, make_ffn, make_norm, out_init_std
+from .layers import Embedding, Linear, make_attention, make_ffn, make_norm, out_init_std
 
 
 class Block(nn.Module):
@@ -19,10 +19,8 @@ class Block(nn.Module):
     def __init__(self, model_cfg, moe_cfg, idx: int):
         super().__init__()
         m, out_std = model_cfg, out_init_std(model_cfg)
-        rope = m.rope_theta if m.positions == "rope" else None
         self.attn_norm = make_norm(m.norm, m.d_model, m.norm_eps, m.bias)
-        self.attn = Attention(m.d_model, m.n_heads, bias=m.bias, dropout=m.dropout,
-                              init_std=m.init_std, out_init_std=out_std, rope_theta=rope)
+        self.attn = make_attention(m, out_std)
         self.ffn_norm = make_norm(m.norm, m.d_model, m.norm_eps, m.bias)
         self.ffn = make_ffn(m, moe_cfg, idx, out_std, m.bias)
         self.drop = nn.Dropout(m.dropout)

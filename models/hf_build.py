@@ -28,6 +28,10 @@ class HFConfig:
     upcycle: bool = _f(True, "with hf.pretrained: experts start as copies of the dense FFN")
     kv_heads: int = _f(0, "llama/mistral/qwen2 key-value heads (grouped-query attention); "
                           "0 = model.n_heads")
+    config: str = _f("", "a transformers config.json (file or directory; nothing downloaded) "
+                         "whose architecture sizes moekit's own GPT: llama | mistral | qwen3 | "
+                         "mixtral | qwen3_moe | deepseek_v3; [model]/[moe] values set in the TOML "
+                         "or on the command line win; '' = off")
 
     def validate(self) -> "HFConfig":
         if self.family not in ("",) + tuple(TASKS):
@@ -38,6 +42,10 @@ class HFConfig:
         if self.pretrained and not os.path.isfile(os.path.join(self.pretrained, "config.json")):
             raise ValueError(f"hf.pretrained={self.pretrained!r} has no config.json; point it at "
                              f"a directory written by save_pretrained (nothing is downloaded)")
+        if self.config and (self.family or self.pretrained):
+            raise ValueError(f"hf.config={self.config!r} sizes moekit's own GPT; it cannot be "
+                             f"combined with hf.family/hf.pretrained (a transformers model); "
+                             f"remove one of them")
         if self.kv_heads < 0:
             raise ValueError(f"hf.kv_heads={self.kv_heads} must be >= 0")
         if self.family in MOE_TASKS and not self.pretrained:

@@ -57,7 +57,7 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple:
 
 def apply_rope(x_BHSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + Hd/2) by position-dependent angles (GPT-NeoX layout)."""
-    x1, x2 = x_BHSD.float().chunk(2, dim=-1)
+    x1, x2 = x_BHSD.to(torch.promote_types(x_BHSD.dtype, torch.float32)).chunk(2, dim=-1)
     out = torch.cat((x1 * cos_SH - x2 * sin_SH, x2 * cos_SH + x1 * sin_SH), dim=-1)
     return out.to(x_BHSD.dtype)
 
@@ -67,29 +67,55 @@ class Attention(nn.Module):
 
     Self-attention when `kv` is None, else cross-attention over `kv`. `bias_1HSL` is an
     additive float bias (T5 relative positions, masks), `causal` a lower-triangular mask.
+    Grouped-query attention with n_kv_heads < n_heads: query head h reads key/value head
+    h // (n_heads / n_kv_heads). qk_norm: an RMSNorm over each query and key head before the
+    rotary (Qwen3). The pieces `qkv` and `out` are what context parallelism reuses.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, bias: bool = False, dropout: float = 0.0,
-                 init_std: float = 0.02, out_init_std: float = 0.02, rope_theta=None):
+                 init_std: float = 0.02, out_init_std: float = 0.02, rope_theta=None,
+                 n_kv_heads: int = 0, head_dim: int = 0, qk_norm: bool = False,
+                 norm_eps: float = 1e-6):
         super().__init__()
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.rope_dim = self.head_dim
+        self.groups = n_heads // (n_kv_heads or n_heads)
         self.dropout = dropout
         self.rope_theta = rope_theta  # None: no rotary positions
-        self.wq = Linear(d_model, d_model, bias, init_std)
-        self.wk = Linear(d_model, d_model, bias, init_std)
-        self.wv = Linear(d_model, d_model, bias, init_std)
-        self.wo = Linear(d_model, d_model, bias, out_init_std)
+        hd, kv = self.head_dim, (n_kv_heads or n_heads) * self.head_dim
+        self.wq = Linear(d_model, n_heads * hd, bias, init_std)
+        self.wk = Linear(d_model, kv, bias, init_std)
+        self.wv = Linear(d_model, kv, bias, init_std)
+        self.wo = Linear(n_heads * hd, d_model, bias, out_init_std)
+        self.q_norm = nn.RMSNorm(hd, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=norm_eps) if qk_norm else None
 
-    def _heads(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x_BSD: torch.Tensor, width: int = 0) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        return x_BSD.view(B, S, -1, self.head_dim).transpose(1, 2)
+        return x_BSD.view(B, S, -1, width or self.head_dim).transpose(1, 2)
 
-    def forward(self, x_BSD, kv_BLD=None, bias_1HSL=None, causal: bool = False):
+    def qkv(self, x_BSD, kv_BLD=None, cos_SH=None, sin_SH=None) -> tuple:
+        """Query, key and value heads [B, H, S or L, Dh], keys/values repeated to every query
+        head, rotary applied with the given tables (None: none)."""
         kv_BLD = x_BSD if kv_BLD is None else kv_BLD
         q, k, v = self._heads(self.wq(x_BSD)), self._heads(self.wk(kv_BLD)), self._heads(self.wv(kv_BLD))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos_SH is not None:
+            q, k = apply_rope(q, cos_SH, sin_SH), apply_rope(k, cos_SH, sin_SH)
+        if self.groups > 1:
+            k, v = k.repeat_interleave(self.groups, 1), v.repeat_interleave(self.groups, 1)
+        return q, k, v
+
+    def out(self, o_BHSD: torch.Tensor) -> torch.Tensor:
+        B, _, S, _ = o_BHSD.shape
+        return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+    def forward(self, x_BSD, kv_BLD=None, bias_1HSL=None, causal: bool = False):
+        cos = sin = None
         if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(q.shape[2], self.head_dim, self.rope_theta, q.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cos, sin = rope_cos_sin(x_BSD.shape[1], self.rope_dim, self.rope_theta, x_BSD.device)
+        q, k, v = self.qkv(x_BSD, kv_BLD, cos, sin)
         mask = None
         if bias_1HSL is not None:
             mask = bias_1HSL.to(q.dtype)
@@ -100,8 +126,64 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         o_BHSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                 is_causal=causal and mask is None)
-        B, _, S, _ = o_BHSD.shape
-        return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
+        return self.out(o_BHSD)
+
+
+class LatentAttention(Attention):
+    """DeepSeek's multi-head latent attention (MLA), self-attention only.
+
+    Shapes: C kv_lora_rank, Cq q_lora_rank, N non-rotary width (head_dim), R rotary width,
+    Dv value width. Queries: wq (or wq_a -> q_a_norm -> wq_b when q_lora_rank > 0) give
+    [B, H, S, N + R]; keys and values come from one latent: wkv_a gives [C + R], the C part
+    normalised (kv_norm) and expanded by wkv_b into per-head [N + Dv], the R part one rotary
+    key shared by every head. The rotary turns the R parts only; scores use N + R channels
+    (softmax scale 1/sqrt(N + R)). A YaRN-scaled rotary (the published long-context
+    extension) is not reproduced: positions use plain RoPE at rope_theta.
+    """
+
+    def __init__(self, m, *, init_std: float, out_init_std: float):
+        nn.Module.__init__(self)
+        H, D = m.n_heads, m.d_model
+        self.head_dim, self.rope_dim, self.v_dim = m.nope_dim, m.qk_rope_head_dim, m.v_dim
+        self.kv_rank, self.groups, self.dropout, self.rope_theta = m.kv_lora_rank, 1, m.dropout, m.rope_theta
+        self.q_norm = self.k_norm = None  # no per-head norm (the latents have their own)
+        qk, self.q_lora = m.qk_dim, m.q_lora_rank > 0
+        if self.q_lora:
+            self.wq_a = Linear(D, m.q_lora_rank, False, init_std)
+            self.q_a_norm = nn.RMSNorm(m.q_lora_rank, eps=m.norm_eps)
+            self.wq_b = Linear(m.q_lora_rank, H * qk, False, init_std)
+        else:
+            self.wq = Linear(D, H * qk, False, init_std)
+        self.wkv_a = Linear(D, m.kv_lora_rank + self.rope_dim, False, init_std)
+        self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=m.norm_eps)
+        self.wkv_b = Linear(m.kv_lora_rank, H * (self.head_dim + self.v_dim), False, init_std)
+        self.wo = Linear(H * self.v_dim, D, False, out_init_std)
+
+    def qkv(self, x_BSD, kv_BLD=None, cos_SH=None, sin_SH=None) -> tuple:
+        if kv_BLD is not None:
+            raise ValueError("model.attention='mla' is self-attention only")
+        N, R = self.head_dim, self.rope_dim
+        q_lin = self.wq_b(self.q_a_norm(self.wq_a(x_BSD))) if self.q_lora else self.wq(x_BSD)
+        q_nope, q_rot = self._heads(q_lin, N + R).split([N, R], dim=-1)
+        latent_C, k_rot = self.wkv_a(x_BSD).split([self.kv_rank, R], dim=-1)
+        k_nope, v = self._heads(self.wkv_b(self.kv_norm(latent_C)), N + self.v_dim).split(
+            [N, self.v_dim], dim=-1)
+        k_rot = k_rot.unsqueeze(1)                                   # [B, 1, S, R]
+        if cos_SH is not None:
+            q_rot, k_rot = apply_rope(q_rot, cos_SH, sin_SH), apply_rope(k_rot, cos_SH, sin_SH)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        return q, k, v.contiguous()
+
+
+def make_attention(m, out_std: float) -> nn.Module:
+    """The GPT block's self-attention of ModelConfig `m` (mha/gqa or mla)."""
+    if m.attention == "mla":
+        return LatentAttention(m, init_std=m.init_std, out_init_std=out_std)
+    rope = m.rope_theta if m.positions == "rope" else None
+    return Attention(m.d_model, m.n_heads, bias=m.bias, dropout=m.dropout, init_std=m.init_std,
+                     out_init_std=out_std, rope_theta=rope, n_kv_heads=m.n_kv_heads,
+                     head_dim=m.head_dim, qk_norm=m.qk_norm, norm_eps=m.norm_eps)
 
 
 def make_ffn(model_cfg, moe_cfg, block_idx: int, out_init_std: float, bias: bool) -> nn.Module:

@@ -455,6 +455,8 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
             if v is not None and v % p.tp:
                 raise _err(f"model.{name}={v} is not divisible by parallel.tp={p.tp}; pick a tp that "
                            f"divides it (or change model.{name})")
+    if p.tp > 1:
+        _check_tp_attention(p, m)
     if p.tp_mode != "1d":
         _check_grid_model(p, m, moe_cfg)
     if p.cp > 1:
@@ -475,6 +477,21 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
     if p.etp > 1:
         _check_etp_model(p, m, moe_cfg)
+
+
+def _check_tp_attention(p: ParallelPlan, m) -> None:
+    """1d splits the query and key/value heads tp ways; mla and the grid are not split yet."""
+    if getattr(m, "attention", "mha") == "mla":
+        raise _err(f"parallel.tp={p.tp} with model.attention='mla' is not implemented (the "
+                   f"latent projections would need their own split); set parallel.tp=1 and use "
+                   f"ep/pp/cp/ZeRO, as DeepSeek-V3's own training did")
+    kv = getattr(m, "n_kv_heads", 0)
+    if p.tp_mode == "1d" and kv and kv % p.tp:
+        raise _err(f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; pick a tp that "
+                   f"divides it")
+    if p.tp_mode != "1d" and (kv or getattr(m, "qk_norm", False) or getattr(m, "head_dim", 0)):
+        raise _err(f"parallel.tp_mode={p.tp_mode} with model.n_kv_heads/head_dim/qk_norm is not "
+                   f"implemented (the grid splits d_model-wide heads); use tp_mode='1d'")
 
 
 def _stage_layers(p: ParallelPlan, m, moe_cfg, seq_len) -> str:

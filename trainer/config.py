@@ -157,14 +157,48 @@ def apply_override(cfg: Config, item: str) -> None:
 
 
 def load_config(path=None, overrides=()) -> Config:
-    cfg = Config()
+    """Defaults, then the TOML file, then the overrides. With hf.config set, the sizes its
+    config.json gives (models/hf_sizes.py) come first and the TOML and overrides again on top
+    (what a user sets wins)."""
+    data = load_toml(path) if path is not None else {}
+    cfg = _layered(Config(), data, path, overrides)
+    if cfg.hf.config:
+        cfg.hf.config = _hf_config_path(cfg.hf.config, path)
+        base = Config()
+        for section, table in _hf_sizes(cfg.hf.config).items():
+            for name, value in table.items():
+                setattr(getattr(base, section), name, value)
+        cfg = _layered(base, data, path, overrides)
+        cfg.hf.config = _hf_config_path(cfg.hf.config, path)
+    return cfg
+
+
+def _layered(cfg: Config, data: dict, path, overrides) -> Config:
     if path is not None:
-        apply_toml(cfg, load_toml(path), str(path))
+        apply_toml(cfg, data, str(path))
     if not cfg.run.name:  # auto run directories are named after the config file
         cfg.run.name = Path(path).stem if path is not None else "default"
     for item in overrides:
         apply_override(cfg, item)
     return cfg
+
+
+def _hf_config_path(value: str, toml_path) -> str:
+    """hf.config as given, or relative to the TOML file's folder when it is found there."""
+    p = Path(value)
+    if not p.is_absolute() and not p.exists() and toml_path is not None:
+        beside = Path(toml_path).parent / p
+        if beside.exists():
+            return str(beside)
+    return value
+
+
+def _hf_sizes(value: str) -> dict:
+    from models.hf_sizes import gpt_sections, read_hf_config
+    try:
+        return gpt_sections(read_hf_config(value), f"hf.config={value!r}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def to_dict(cfg: Config) -> dict:

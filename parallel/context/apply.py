@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from models.blocks import blocks
-from models.layers import apply_rope, rope_cos_sin
+from models.layers import rope_cos_sin
 
 from .ring import ring_attention
 from .split import positions, split
@@ -40,21 +40,20 @@ def _attention(attn, group, mode: str, n: int, rank: int):
         if kv_BLD is not None or bias_1HSL is not None:
             raise ValueError("context parallelism runs self-attention without an additive bias "
                              "only (the GPT); set parallel.cp=1 for this model")
-        q, k, v = attn._heads(attn.wq(x_BQD)), attn._heads(attn.wk(x_BQD)), attn._heads(attn.wv(x_BQD))
-        Q = q.shape[2]
+        Q = x_BQD.shape[1]
         S = Q * n
+        cos = sin = None
         if attn.rope_theta is not None:
-            cos, sin = rope_cos_sin(S, attn.head_dim, attn.rope_theta, q.device)
-            pos = positions(S, n, rank, q.device)
+            cos, sin = rope_cos_sin(S, attn.rope_dim, attn.rope_theta, x_BQD.device)
+            pos = positions(S, n, rank, x_BQD.device)
             cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = attn.qkv(x_BQD, None, cos, sin)
         if mode == "ring":
             o = ring_attention(q, k, v, group, causal=causal, seq_len=S)
         else:
             p = attn.dropout if attn.training else 0.0
             o = ulysses_attention(q, k, v, group, causal=causal, dropout_p=p)
-        B = o.shape[0]
-        return attn.wo(o.transpose(1, 2).reshape(B, Q, -1))
+        return attn.out(o)
     return forward
 
 

@@ -89,7 +89,8 @@ class _RingAttention(torch.autograd.Function):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         scale, C = 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         q32, kv = q.float(), [k.float(), v.float()]
-        outs = [torch.zeros_like(_half(q32, 0, C)) for _ in range(2)]
+        half_BHCV = _half(q32, 0, C).shape[:-1] + (v.shape[-1],)  # values may be narrower (mla)
+        outs = [torch.zeros(half_BHCV, device=q.device) for _ in range(2)]
         lses = [torch.full(outs[0].shape[:-1], float("-inf"), device=q.device) for _ in range(2)]
         for step in range(n):
             pending = _start_pass(kv, group) if step < n - 1 else None

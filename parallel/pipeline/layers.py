@@ -47,7 +47,7 @@ def block_weights(model_cfg, moe_cfg, seq_len: int) -> tuple:
     D, F, V = model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size
     from moe.experts import ACTIVATIONS
     g = 3 if ACTIVATIONS.get(model_cfg.activation, (None, False))[1] else 2
-    attention = 4 * D * D
+    attention = model_cfg.attention_params()
     times, params = [], []
     for i in range(model_cfg.n_layers):
         if moe_cfg is not None and moe_cfg.enabled and moe_cfg.is_moe_block(i):
@@ -56,7 +56,7 @@ def block_weights(model_cfg, moe_cfg, seq_len: int) -> tuple:
             passed, held = moe_cfg.top_k * g * D * Fe + D * E + shared, E * g * D * Fe + D * E + shared
         else:
             passed = held = g * D * F
-        times.append(2 * (attention + passed) + 4 * seq_len * D)
+        times.append(2 * (attention + passed) + 2 * seq_len * model_cfg.attention_score_width())
         params.append(attention + held)
     head_params = 0 if model_cfg.tie_embeddings else V * D
     return times, params, V * D, (2 * V * D + 3 * V, head_params)

@@ -204,15 +204,16 @@ def _context(w, plan, state, book) -> None:
     if plan.cp == 1:
         return
     n, m, again = plan.cp, micro_count(w, plan), plan.recompute == "full"
-    E = micro_seqs(w, plan) * local_tokens(plan, w.stream_tokens["decoder"]) * \
-        w.model_cfg.d_model / plan.tp
+    # one token's key + value heads (repeated to every query head; mla: qk and v widths)
+    KV = micro_seqs(w, plan) * local_tokens(plan, w.stream_tokens["decoder"]) * \
+        w.model_cfg.attention_score_width() / plan.tp
     layers = len(w.blocks_on(state, plan))
     if plan.cp_mode == "ring":
-        fwd, bwd = 2 * (n - 1) * E * 4, (4 * (n - 1) + 2) * E * 4
+        fwd, bwd = (n - 1) * KV * 4, (2 * (n - 1) + 1) * KV * 4
         book("p2p", "cp", (fwd * (1 + again) + bwd) * layers * m)
-    else:
+    else:  # q, k, v and o: twice the key + value width
         a = act_bytes(plan.precision)
-        book("a2a", "cp", (4 * (1 + again) + 4) * E * a * layers * m)
+        book("a2a", "cp", (2 * (1 + again) + 2) * KV * a * layers * m)
     moe = w.moe_cfg
     if w.has_moe() and moe.balance_loss == "sequence":
         moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))

@@ -4,8 +4,9 @@ Forward FLOPs per token = 2 x (matmul weights it passes through) + attention:
   matmul weights: every parameter with >= 2 dims outside embeddings (attention, dense FFN,
   router, shared experts, output head; a tied head counts as the matmul it is); an expert
   bank counts top_k / num_experts of its weights (each token visits K experts);
-  attention: 4 x key length x D per token per attention module (QK^T and AV, causal masks
-  not discounted), key length = the stream's tokens (cross-attention: the encoder's).
+  attention: 2 x key length x H x (qk width + v width) per token per attention module
+  (QK^T and AV; 4 x key length x D for plain multi-head attention; causal masks not
+  discounted), key length = the stream's tokens (cross-attention: the encoder's).
 Backward = 2 x forward; full recomputation adds one forward: 3x or 4x forward per step.
 model_flops (TFLOP/s per GPU, MFU) counts 3x, the whole model and batch, no imbalance.
 Per rank: its pipeline stage's blocks (+ head on the last stage), its 1/dp of the batch,
@@ -34,7 +35,7 @@ class Unit:
 @dataclass
 class ModelCosts:
     units: dict = field(default_factory=dict)   # (stream, block index or -1) -> Unit
-    d_model: int = 0
+    score_width: int = 0    # multiply-adds per (query, key) pair over all heads (QK^T + AV)
 
 
 def _stream(name: str) -> str:
@@ -44,7 +45,7 @@ def _stream(name: str) -> str:
 def model_costs(model, workload) -> ModelCosts:
     """Per-block forward costs of the single-device meta model."""
     top_k, E = (workload.moe_cfg.top_k, workload.moe_cfg.num_experts) if workload.has_moe() else (1, 1)
-    out = ModelCosts(d_model=workload.model_cfg.d_model)
+    out = ModelCosts(score_width=workload.model_cfg.attention_score_width())
     for mname, mod in model.named_modules():
         kind = type(mod).__name__
         key = _key(mname + ".")
@@ -77,7 +78,7 @@ def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0)
     S = workload.stream_tokens.get(unit.stream, 0)
     enc = workload.stream_tokens.get("encoder", 0)
     per_token = 2 * (unit.dense_params + unit.expert_params * imbalance)
-    return per_token + 4 * costs.d_model * (S * unit.attention_modules + (enc or S) * unit.cross_attention)
+    return per_token + 2 * costs.score_width * (S * unit.attention_modules + (enc or S) * unit.cross_attention)
 
 
 def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:

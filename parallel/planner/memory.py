@@ -103,7 +103,7 @@ def block_act_elems(w, i: int, stream: str, plan) -> float:
     """Saved elements per token of block i (activation dtype; router fp32 in the MoE term)."""
     m, a = w.model_cfg, act_bytes(plan.precision)
     D = m.d_model
-    out = 8 * D + (5 * D if stream == "decoder" and "encoder" in w.stream_tokens else 0)
+    out = 4 * D + m.attention_saved_width() + (5 * D if stream == "decoder" and "encoder" in w.stream_tokens else 0)
     if w.is_moe_block(i):
         moe = w.moe_cfg
         r = w.imbalance if plan.ep > 1 else 1.0

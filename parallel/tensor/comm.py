@@ -12,6 +12,8 @@ Each is one collective forward and its adjoint backward, over a group handed in:
                              rank's block of the (identical) gradient, no communication
   split(x, g, dim)           this rank's block of a replicated x (1d's sequence split after
                              the embedding); backward all-gathers
+  sum_grad(x, g)             identity; backward sums (a replicated weight each rank applies
+                             to its own heads: qk_norm under 1d's head split)
   swap(x, g, a, b)           all-to-all: block r of dim a goes to rank r, the blocks received
                              are concatenated along dim b (a layout change: 1d's sequence ->
                              batch split before MoE layers, the grid's hidden -> batch);
@@ -85,6 +87,14 @@ def reduce_scatter(x, group, dim):
 
 def all_reduce(x, group):
     return _Adjoint.apply(x, _all_reduce, _all_reduce, group)
+
+
+def _identity(x, group):
+    return x
+
+
+def sum_grad(x, group):
+    return _Adjoint.apply(x, _identity, _all_reduce, group)
 
 
 def gather_replicated(x, group, dim):

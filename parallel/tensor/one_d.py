@@ -17,6 +17,7 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
 """
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel,
@@ -79,6 +80,14 @@ def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
     ffn.register_forward_hook(post)
 
 
+def _heads_norm(norm: nn.RMSNorm, group) -> None:
+    """qk_norm's weight is replicated while each rank normalises its own heads: the weight's
+    gradient is the sum of the ranks' (tp_comm.sum_grad), the same on every rank."""
+    def forward(x):
+        return F.rms_norm(x, norm.normalized_shape, tp_comm.sum_grad(norm.weight, group), norm.eps)
+    norm.forward = forward
+
+
 def _check_input(model, group) -> None:
     """Fail on shapes the tp split cannot take before the embedding's first collective (a bad
     shape would otherwise abort inside the backend with a size mismatch)."""
@@ -133,6 +142,9 @@ def _shard_block(block, mesh, group) -> None:
         "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
     })
+    if block.attn.q_norm is not None:
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            _heads_norm(norm, group)
     if isinstance(block.ffn, MoELayer):
         moe_layout_hooks(block.ffn, group, group, split_dim=0, cat_dim=1)
     elif isinstance(block.ffn, DenseFFN):
