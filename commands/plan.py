@@ -136,6 +136,7 @@ def main(argv=None) -> int:
 def check_layout(args, cfg, w, hw, costs, head) -> int:
     import dataclasses
     from parallel.planner.check import breakdown, fixes, parse_layout, resolve_microbatches
+    from parallel.planner.enumerate import with_default_layers
     from parallel.planner.predict import predict
     from parallel.planner.report import BUILD_ERRORS, layout_report, pred_dict
     cache = StateCache(w.build_model)
@@ -143,8 +144,8 @@ def check_layout(args, cfg, w, hw, costs, head) -> int:
         fields, mbs = parse_layout(args.layout, cfg.parallel, cfg.train.batch_size)
         if mbs:
             w = dataclasses.replace(w, micro_batch_size=mbs)
-        plan = w.validate(resolve_microbatches(dataclasses.replace(cfg.parallel, **fields), args.world,
-                                               w.batch_size), args.world)
+        plan = resolve_microbatches(dataclasses.replace(cfg.parallel, **fields), args.world, w.batch_size)
+        plan = w.validate(with_default_layers(plan, w.model_cfg.n_layers), args.world)
         pred = predict(w, plan, hw, costs, cache)
     except BUILD_ERRORS as e:
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
@@ -152,6 +153,7 @@ def check_layout(args, cfg, w, hw, costs, head) -> int:
 
     def attempt(candidate):
         try:
+            candidate = with_default_layers(candidate, w.model_cfg.n_layers)
             return predict(w, w.validate(candidate, args.world), hw, costs, cache)
         except BUILD_ERRORS:
             return None

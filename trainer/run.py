@@ -192,7 +192,11 @@ def _parameter_server(cfg, ctx, plan, par, optimizer, first_step: int):
 def _describe(cfg, model) -> list:
     """The whole model's start-up lines (parameters, MoE layers, routing, forced balance)."""
     counts, layers = models.count_params(model), models.moe_layers(model)
-    lines = [f"model: {cfg.hf.family or cfg.model.arch}, {counts['total'] / 1e6:.2f}M parameters, "
+    name = cfg.hf.family or cfg.model.arch
+    if cfg.hf.config:
+        from models.hf_sizes import read_hf_config
+        name += f" ({read_hf_config(cfg.hf.config).get('model_type')} architecture of {cfg.hf.config})"
+    lines = [f"model: {name}, {counts['total'] / 1e6:.2f}M parameters, "
              f"{counts['active_per_token'] / 1e6:.2f}M active per token, {len(layers)} MoE layer(s)"]
     if layers:  # the routing semantics the run trains with (adopted models: from their config)
         lines.append(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")

@@ -134,15 +134,14 @@ class _Blocks:
     grid_grad_sums: dict = dataclasses.field(default_factory=dict)  # left out, likewise
 
 
-def _state_gb_bound(plan, sizes, optimizer: str) -> float:
-    """The least GPU bytes of params + gradients + optimizer state of the mean stage (the
-    optimizer-step phase holds all three): memory.py's model with bytes / (tp pp) dense over
-    the dp x cp replicas and / (ep etp pp) expert over edp, AdamW's 2 moments (Adafactor: 0),
-    ZeRO-1/2's fp32 master slices, offload's moves to the host."""
+def _state_parts(plan, sizes, optimizer: str) -> tuple:
+    """(params + optimizer state, gradients): the least GPU bytes of each on a stage holding
+    `sizes` = (dense, expert) bytes of the whole model's parameters: memory.py's model with
+    bytes / tp dense over the dp x cp replicas and / (ep etp) expert over edp, AdamW's 2
+    moments (Adafactor: 0), ZeRO-1/2's fp32 master slices, offload's moves to the host."""
     dense, expert = sizes
-    total = 0.0
-    for x, n in ((dense / (plan.tp * plan.pp), plan.replicas),
-                 (expert / (plan.ep * plan.etp * plan.pp), plan.edp)):
+    persist = grads_total = 0.0
+    for x, n in ((dense / plan.tp, plan.replicas), (expert / (plan.ep * plan.etp), plan.edp)):
         moments = 0.0 if optimizer == "adafactor" else 2 * x
         params, grads, opt = {0: (x, x, moments), 1: (x, x, (x + moments) / n),
                               2: (x, x / n, (x + moments) / n),
@@ -153,16 +152,55 @@ def _state_gb_bound(plan, sizes, optimizer: str) -> float:
                 grads = 0.0
             if plan.offload == "params":
                 params = 0.0
-        total += params + grads + opt
-    return total
+        persist += params + opt
+        grads_total += grads
+    return persist, grads_total
+
+
+def _state_gb_bound(plan, sizes, optimizer: str) -> float:
+    """The least GPU bytes of params + gradients + optimizer state of the mean stage (the
+    optimizer-step phase holds all three)."""
+    persist, grads = _state_parts(plan, (sizes[0] / plan.pp, sizes[1] / plan.pp), optimizer)
+    return persist + grads
+
+
+def _stage_sizes(w, plan, stages) -> list:
+    """[(dense, expert) bytes] per pipeline rank, counting only what surely lies there: the
+    matmul weights of its blocks (pipeline/layers.py's block_weights: no norms, no biases),
+    the embedding on the first stage and an untied head on the last; fp32 parameters."""
+    from ..pipeline.layers import block_weights
+    m, moe = w.model_cfg, (w.moe_cfg if w.has_moe() else None)
+    _t, params, embed, (_ht, head) = block_weights(m, moe, w.stream_tokens.get("decoder", 0))
+    expert = [0] * len(params)
+    if moe is not None:
+        from moe.experts import ACTIVATIONS
+        g = 3 if ACTIVATIONS.get(m.activation, (None, False))[1] else 2
+        bank = moe.num_experts * g * m.d_model * (moe.d_ff or m.d_ff)
+        expert = [bank if w.is_moe_block(i) else 0 for i in range(len(params))]
+    out = []
+    for st in stages:
+        dense = sum(params[i] - expert[i] for i in st.block_ids)
+        dense += (embed if st.first_stage else 0) + (head if st.last_stage else 0)
+        out.append((4 * dense, 4 * sum(expert[i] for i in st.block_ids)))
+    return out
 
 
 def memory_bound(w, plan, sizes) -> float:
-    """A lower bound of the layout's peak bytes: the largest stage's activations
-    (memory.activations, exact: it needs only the stage's blocks) or the mean stage's model
-    state (_state_gb_bound), whichever is larger."""
+    """A lower bound of the layout's peak bytes: the mean stage's model state
+    (_state_gb_bound), or a stage's forward end, whichever is larger: its activations
+    (memory.activations, exact: it needs only the stage's blocks) on top of the params and
+    optimizer state surely there (the whole model's with one stage, else _stage_sizes) and,
+    with gradient accumulation outside ZeRO-3, the gradients of earlier micro-batches."""
     from .memory import activations
-    worst = max(activations(w, plan, st, r).total for r, st in enumerate(_stage_blocks(w, plan)))
+    stages = _stage_blocks(w, plan)
+    held = [sizes] if plan.pp == 1 else _stage_sizes(w, plan, stages)
+    worst = 0.0
+    for r, (st, stage_sizes) in enumerate(zip(stages, held)):
+        acts = activations(w, plan, st, r)
+        persist, _grads = _state_parts(plan, stage_sizes, w.optimizer)
+        if acts.microbatches > 1 and plan.zero != 3:  # full local gradients
+            persist += stage_sizes[0] / plan.tp + stage_sizes[1] / (plan.ep * plan.etp)
+        worst = max(worst, acts.total + persist)
     return max(worst, _state_gb_bound(plan, sizes, w.optimizer))
 
 
