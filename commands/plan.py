@@ -121,9 +121,9 @@ def main(argv=None) -> int:
               zeropp=tuple(z == "on" for z in args.zeropp), gpus_per_node=args.gpus_per_node,
               cps=tuple(args.cp), cp_modes=tuple(args.cp_modes))
     if args.exhaustive:
-        result = plan_all(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model), **kw)
+        result = plan_all(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model, w), **kw)
     else:
-        result = search(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model),
+        result = search(w, cfg.parallel, args.world, hw, costs, StateCache(w.build_model, w),
                         top=args.top, **kw)
     if args.json:
         print(json.dumps(as_json(result, args.world, hw), indent=1))
@@ -139,7 +139,7 @@ def check_layout(args, cfg, w, hw, costs, head) -> int:
     from parallel.planner.enumerate import with_default_layers
     from parallel.planner.predict import predict
     from parallel.planner.report import BUILD_ERRORS, layout_report, pred_dict
-    cache = StateCache(w.build_model)
+    cache = StateCache(w.build_model, w)
     try:
         fields, mbs = parse_layout(args.layout, cfg.parallel, cfg.train.batch_size)
         if mbs:

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from models.blocks import blocks
 from parallel.planner.workload import Workload
 
 from .config import validate
@@ -29,8 +30,14 @@ def workload_from_config(cfg, imbalance: float = 1.0) -> Workload:
     def build():  # a fresh copy per layout: parallelize changes the model in place
         return copy.deepcopy(template)
 
+    def build_stage(block_ids):  # a pipeline rank prunes the other blocks without touching them
+        keep = set(block_ids)
+        shared = {id(b): b for i, b in enumerate(blocks(template)) if i not in keep}
+        return copy.deepcopy(template, shared)
+
     def check(plan, world):  # train.py's whole validation, with this layout
         return validate(dataclasses.replace(cfg, parallel=plan), world)
 
     return Workload(build, cfg.model, cfg.moe, cfg.train.batch_size, stream_tokens(cfg),
-                    cfg.train.micro_batch_size, cfg.train.optimizer, imbalance, check)
+                    cfg.train.micro_batch_size, cfg.train.optimizer, imbalance, check,
+                    build_stage if task_arch(cfg) == "gpt" and not cfg.hf.family else None)

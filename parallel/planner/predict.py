@@ -1,6 +1,7 @@
 """One layout's prediction: every pipeline stage's memory, communication and FLOPs (one
 representative rank per stage: tp/dp/ep peers hold the same amounts), bubble and step time."""
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from ..pipeline.schedules import V_SCHEDULES
@@ -57,27 +58,48 @@ class StateCache:
     not recompute, schedule order or micro-batch count): parallelizing a meta model is the
     planner's slow part."""
 
-    def __init__(self, build_model):
-        self.build_model, self.states = build_model, {}
+    def __init__(self, build_model, workload=None):
+        self.build_model, self.states, self.workload = build_model, {}, workload
 
     def get(self, plan, rank):
         zero = 1 if plan.zero in (0, 1, 2) else 3
         hpz = plan.zeropp_hpz  # splits FSDP2 units; offload and quantization are formulas
         v_shape = plan.pp_schedule in V_SCHEDULES  # which stages (blocks, ends) the rank holds
+        where, ids = self._place(plan, rank)
         key = (plan.dp, plan.cp, plan.cp_mode, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.pp_layers, plan.ep, plan.etp, zero,
-               plan.stages_per_rank, v_shape, hpz, rank)
+               plan.stages_per_rank, v_shape, hpz, where)
         if key not in self.states:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
                                        offload="none", zeropp_quantize_weights=False,
                                        zeropp_quantize_grads=False, zeropp_hpz=hpz)
             try:
-                self.states[key] = read_rank_state(self.build_model, base, rank)
+                build = self.build_model
+                if ids is not None and self.workload.build_stage is not None:
+                    build = functools.partial(self.workload.build_stage, ids)
+                self.states[key] = read_rank_state(build, base, rank)
             except (ValueError, NotImplementedError, TypeError) as e:  # parallelize refused it:
                 self.states[key] = e      # so will every plan with this key (schedules, m, ...)
         state = self.states[key]
         if isinstance(state, Exception):
             raise type(state)(*state.args)  # a fresh one: the stored one's traceback stays short
+        if ids is not None and state.rank != rank:  # a stage of the same shape, read elsewhere
+            state = dataclasses.replace(state, rank=rank, block_ids=ids)
         return state
+
+    def _place(self, plan, rank) -> tuple:
+        """(what the state depends on of the rank's position, its block ids or None). With
+        the workload known, pipeline ranks whose stages hold the same kinds of blocks in the
+        same order (dense / MoE) and the same ends share one read: their tensors, buckets
+        and units are the same sizes, only the block ids differ."""
+        if self.workload is None or plan.pp == 1:
+            return rank, None
+        from ..pipeline.layers import stage_blocks
+        w = self.workload
+        layers = stage_blocks(plan.pp_layers, w.model_cfg.n_layers, plan.num_stages)
+        stages = plan.stages_of(rank // plan.pool)
+        kinds = tuple(tuple(w.is_moe_block(i) for i in layers[st]) for st in stages)
+        where = (kinds, 0 in stages, plan.num_stages - 1 in stages, rank % plan.pool)
+        return where, sorted(i for st in stages for i in layers[st])
 
 
 def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:

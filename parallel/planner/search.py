@@ -253,6 +253,16 @@ def inside_seconds(w, plan, state, hw) -> float:
     return total[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """The fields of a plan _sync_factor reads (a ZeRO / offload / ZeRO++ variant)."""
+    zero: int
+    offload: str
+    zeropp_quantize_weights: bool
+    zeropp_quantize_grads: bool
+    zeropp_hpz: int
+
+
 def _sync_factor(plan, m: int) -> float:
     """Times (P-1)/P of the gradient bytes the layout's ZeRO setting moves at least (comm.py):
     all-reduce 2; ZeRO-1 + the slices' gather; ZeRO-2 reduce-scatter (qgZ: int8, >= 1/4) +
@@ -313,6 +323,11 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
     the deepest offload, recomputation)."""
     from .comm import micro_count
     out = []
+    # the ZeRO / offload / ZeRO++ variants of every group of this structure, as field dicts
+    # (a plan per variant is built only when the variant itself is examined)
+    variants = [dict(zero=z, **f) for z in zeros
+                for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
+    lean = min(variants, key=lambda v: (-v["zero"], -OFFLOAD_DEPTH.index(v["offload"])))
     for sch, m in pipelines(s["pp"]):
         plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
                                    zero=max(zeros), recompute="none")
@@ -320,25 +335,20 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
         try:
             plan = _with_layers(w, plan, memo)
         except ValueError as e:
-            n = sum(len(_zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)) for z in zeros)
-            out.append(("refused", plan, rejection(e), n * len(recomputes)))
+            out.append(("refused", plan, rejection(e), len(variants) * len(recomputes)))
             continue
-        family = [dataclasses.replace(plan, zero=z, **f) for z in zeros
-                  for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
-        plain = dataclasses.replace(family[0], recompute="none")
+        plain = dataclasses.replace(plan, **variants[0])
         try:
             w.validate(plain, world)
         except ValueError as e:
             reason = rejection(e)
             if not any(f in reason for f in _VARIANT_FIELDS):  # the structure itself is refused
-                out.append(("refused", plain, reason, len(family) * len(recomputes)))
+                out.append(("refused", plain, reason, len(variants) * len(recomputes)))
                 continue
         stages = _stage_blocks(w, plan)
         mc = micro_count(w, plan)
-        least = min(_sync_factor(p, mc) for p in family)
-        leanest = min(family, key=lambda p: (-p.zero, OFFLOAD_DEPTH.index(p.offload) * -1))
-        if "full" in recomputes:
-            leanest = dataclasses.replace(leanest, recompute="full")
+        least = min(_sync_factor(_Variant(**v), mc) for v in variants)
+        leanest = dataclasses.replace(plan, **lean, recompute="full" if "full" in recomputes else "none")
         if memory_bound(w, leanest, sizes) > hw.gpu_mem_bytes:
             out.append(None)
             continue

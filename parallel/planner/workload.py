@@ -21,6 +21,9 @@ class Workload:
     optimizer: str = "adamw"       # adamw | adafactor
     imbalance: float = 1.0         # dropless MoE: rows the busiest expert-parallel rank receives / mean
     check: Callable = None         # plan -> validated plan, raising ValueError (default: ParallelPlan.validate)
+    build_stage: Callable = None   # (block ids) -> the model with only those blocks its own
+                                   # (the others shared with a template that nothing modifies:
+                                   # a pipeline rank's read copies 1/pp of the model); None = build_model
 
     @property
     def gated(self) -> bool:
