@@ -258,6 +258,8 @@ def _check_own(cfg: Config) -> None:
              f"run.name={cfg.run.name!r} must be a plain name (it names runs/<run.name>-NNN); "
              f"to choose the directory itself set run.dir")
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _require(lg.peak_tflops >= 0, f"log.peak_tflops={lg.peak_tflops} must be >= 0 (0 = a known "
+                                  f"GPU's data-sheet peak, or no mfu)")
     _require(t.batch_size >= 1, f"train.batch_size={t.batch_size} must be >= 1 (global sequences per step)")
     _require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size} must be >= 0 (0 = no accumulation)")
     _require(t.lr > 0, f"train.lr={t.lr} must be > 0")

@@ -66,6 +66,7 @@ class MetricsLogger:
 
     def log_step(self, record: dict) -> None:
         """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s,
+        tflops (model TFLOP/s per rank; + mfu where a peak is known, trainer/telemetry.py),
         comm_bytes {kind: bytes} (+ val_loss; comm_bytes_inter_node when the ledger knows of
         several nodes; model_state_bytes on the first step; under fp16
         loss_scale and skipped)."""
@@ -91,7 +92,10 @@ class MetricsLogger:
     def _show(self, r: dict) -> None:
         if self.bar is not None:
             self.bar.update(r["step"] - self.bar.n)
-            post = {"loss": f"{r['loss']:.3f}", "tok/s": f"{r['tokens_per_s']:.0f}"}
+            post = {"loss": f"{r['loss']:.3f}", "tok/s": f"{r['tokens_per_s']:.0f}",
+                    "TFLOP/s": f"{r['tflops']:.3g}"}
+            if "mfu" in r:
+                post["mfu"] = f"{r['mfu']:.1%}"
             if "val_loss" in r:
                 post["val"] = f"{r['val_loss']:.3f}"
             self.bar.set_postfix(post, refresh=False)
@@ -102,9 +106,11 @@ class MetricsLogger:
             val = f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else ""
             norm = "skipped" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
             scale = f" scale {r['loss_scale']:g}" if "loss_scale" in r else ""
+            mfu = f" mfu {r['mfu']:.1%}" if "mfu" in r else ""
             print(f"step {r['step']}/{self.total} loss {r['loss']:.4f} aux {r['aux_loss']:.4f} "
                   f"lr {r['lr']:.2e} grad_norm {norm}{scale} "
-                  f"tok/s {r['tokens_per_s']:.0f}{val} eta {_fmt_eta(eta)}", flush=True)
+                  f"tok/s {r['tokens_per_s']:.0f} TFLOP/s {r['tflops']:.3g}{mfu}{val} "
+                  f"eta {_fmt_eta(eta)}", flush=True)
 
     def log_moe(self, step: int, layer_stats: dict) -> None:
         """layer_stats: layer name -> moe.stats.RoutingStats summed over the data-parallel ranks."""

@@ -68,6 +68,7 @@ class LogConfig:
     profile_every: int = _f(0, "write an expert-load profile (run.dir/profile/step_N: load.json, load.png, TensorBoard) every N steps; 0 = never")
     profile_batches: int = _f(2, "held-out batches (of train.batch_size sequences) per load profile")
     peak_mem: bool = _f(True, "measure this rank's peak tensor memory during the second step (the first with optimizer state; metrics peak_mem_bytes; CUDA: max_memory_allocated, CPU: a live-tensor counter, see trainer/memory.py)")
+    peak_tflops: float = _f(0.0, "peak dense TFLOP/s of one device, the denominator of metrics mfu; 0 = the data-sheet bf16 peak of a known GPU (A100, H100, H200, B200, MI300X), none elsewhere (no mfu on a CPU)")
     comm_bytes: bool = _f(True, "count the bytes each rank hands to collectives per step, by kind (metrics comm_bytes, TensorBoard comm_bytes/*); false removes its per-op dispatch hook")
 
 

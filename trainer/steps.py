@@ -21,6 +21,7 @@ from .config import to_dict
 from .distributed import any_rank
 from .evaluation import held_out
 from .memory import PeakMemory, model_state_bytes
+from . import telemetry
 from .stops import Diverged, Preempted
 
 
@@ -38,6 +39,9 @@ class Trainer:
         self.stop_request = stop_request  # SIGTERM seen by this process
         self.in_a_row = 0  # consecutive steps skipped as non-finite
         self.last_saved = None
+        # model FLOPs of one step (the planner's count) and the device's peak (None: no mfu)
+        self.step_flops = telemetry.step_flops(cfg)
+        self.peak_tflops = telemetry.device_peak_tflops(cfg.log.peak_tflops, ctx.device)
 
     @property
     def rows_per_rank(self) -> int:
@@ -55,7 +59,10 @@ class Trainer:
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
         rec.update(loss=r.loss, aux_loss=r.aux, lr=lr,
                    grad_norm=None if r.skipped else float(r.norm),
-                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=bool(r.skipped))
+                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=bool(r.skipped),
+                   tflops=self.step_flops / self.ctx.world_size / dt / 1e12)
+        if self.peak_tflops:
+            rec["mfu"] = rec["tflops"] / self.peak_tflops
         if r.skipped == "diverged":
             rec["skip_reason"] = "non-finite loss or gradient norm"
         self._record_comm(rec)

@@ -69,14 +69,17 @@ def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     train(common + [f"run.dir={one}"], tmp_path)
     recs = records(one)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    for key in ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s"):
+    for key in ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
         assert all(isinstance(r[key], float) for r in recs), key
     assert all(r["aux_loss"] > 0 for r in recs)  # the MoE aux loss is part of the objective
+    assert all(r["tflops"] > 0 and "mfu" not in r for r in recs)  # a CPU has no known peak
     assert list((one / "tb").glob("events.out.tfevents.*"))
     assert (one / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
 
-    # the same global batch on 2 data-parallel processes: the same losses
-    train(common + [f"run.dir={two}", "parallel.dp=2"], tmp_path, nproc=2)
+    # the same global batch on 2 data-parallel processes: the same losses; with a peak set,
+    # mfu = tflops / peak
+    train(common + [f"run.dir={two}", "parallel.dp=2", "log.peak_tflops=0.25"], tmp_path, nproc=2)
+    assert all(abs(r["mfu"] - r["tflops"] / 0.25) < 1e-12 for r in records(two))
     ref = losses(one)
     for step, loss in losses(two).items():
         assert close(loss, ref[step], 1e-4), (step, loss, ref[step])
