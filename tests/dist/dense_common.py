@@ -169,3 +169,16 @@ def my_rows(par, x_BS, y_BS):
     n = B // par.plan.dp
     rows = slice(par.dp_rank * n, (par.dp_rank + 1) * n)
     return par.split_sequence(x_BS[rows]), par.split_sequence(y_BS[rows])
+
+
+def assert_same_as_one_process(name, rank, out_diff, grads, losses, ref, out_atol, atol, rtol):
+    """One rank's result against one process: logits within out_atol, every gradient within
+    its bound (one_step_check's (name, diff, bound) rows), and per step the loss and the grad
+    norm within atol + rtol x |reference|."""
+    assert out_diff <= out_atol, f"{name} rank {rank}: logits differ by {out_diff:.2e}"
+    bad = [(n, f"{d:.2e} > {b:.2e}") for n, d, b in grads if d > b]
+    assert not bad, f"{name} rank {rank}: gradients differ: {bad}"
+    assert len(losses) == len(ref), f"{name} rank {rank}: {len(losses)} steps, want {len(ref)}"
+    for step, ((l, g), (rl, rg)) in enumerate(zip(losses, ref)):
+        assert abs(l - rl) <= atol + rtol * abs(rl), f"{name} step {step}: loss {l} vs {rl}"
+        assert abs(g - rg) <= atol + rtol * abs(rg), f"{name} step {step}: norm {g} vs {rg}"

@@ -62,13 +62,9 @@ def _check(world, layouts, timeout):
     for name, _spec, _v in layouts:
         for rank, rank_out in enumerate(results):
             (out_diff, grads), losses = rank_out[name]
-            assert out_diff <= OUT_ATOL, f"{name} rank {rank}: logits differ by {out_diff:.2e}"
-            bad = [(n, f"{d:.2e} > {b:.2e}") for n, d, b in grads if d > b]
-            assert not bad, f"{name} rank {rank}: gradients differ: {bad}"
-            assert len(losses) == len(refs[name]) == dc.STEPS
-            for step, ((l, g), (rl, rg)) in enumerate(zip(losses, refs[name])):
-                assert abs(l - rl) <= ATOL + RTOL * abs(rl), f"{name} step {step}: loss {l} vs {rl}"
-                assert abs(g - rg) <= ATOL + RTOL * abs(rg), f"{name} step {step}: norm {g} vs {rg}"
+            assert len(refs[name]) == dc.STEPS
+            dc.assert_same_as_one_process(name, rank, out_diff, grads, losses, refs[name],
+                                          OUT_ATOL, ATOL, RTOL)
 
 
 def test_real_attention_equals_one_process_world2():
