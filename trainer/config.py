@@ -163,13 +163,13 @@ def load_config(path=None, overrides=()) -> Config:
     data = load_toml(path) if path is not None else {}
     cfg = _layered(Config(), data, path, overrides)
     if cfg.hf.config:
-        cfg.hf.config = _hf_config_path(cfg.hf.config, path)
+        hf_path = _hf_config_path(cfg.hf.config, path)
         base = Config()
-        for section, table in _hf_sizes(cfg.hf.config).items():
+        for section, table in _hf_sizes(hf_path).items():
             for name, value in table.items():
                 setattr(getattr(base, section), name, value)
         cfg = _layered(base, data, path, overrides)
-        cfg.hf.config = _hf_config_path(cfg.hf.config, path)
+        cfg.hf.config = hf_path
     return cfg
 
 

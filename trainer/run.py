@@ -19,7 +19,7 @@ from optim import DynamicLossScaler, WarmupCosine, build_optimizer
 from parallel.apply import parallelize
 from parallel.mesh import build_meshes
 
-from . import checkpoint, lock
+from . import checkpoint, lock, telemetry
 from .config import ConfigError, to_toml, validate
 from .distributed import barrier, init_distributed, shutdown
 from .execution import execution_for
@@ -134,6 +134,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     # holds the whole model
     whole = build_model(cfg, ctx.device)
     described = _describe(cfg, whole)  # before a pipeline split leaves this rank its stage
+    flops = telemetry.step_flops(cfg, whole)  # likewise
     par = parallelize(whole, plan, meshes, loss_fn=token_loss, init_fn=init_fn(cfg, ctx.device))
     optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
@@ -163,7 +164,8 @@ def _train(cfg, ctx, plan, resume_from) -> int:
                           (train_file, val_file), log,
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
                                par.split_sequence if plan.cp > 1 else None),
-                          execution_for(par, ps), first_step=start + 1, stop_request=stop_request)
+                          execution_for(par, ps), first_step=start + 1, stop_request=stop_request,
+                          step_flops=flops)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)
     return 0

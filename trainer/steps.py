@@ -29,7 +29,7 @@ class Trainer:
     """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
-                 execution, first_step: int, stop_request=None):
+                 execution, first_step: int, stop_request=None, *, step_flops: float):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
@@ -39,8 +39,9 @@ class Trainer:
         self.stop_request = stop_request  # SIGTERM seen by this process
         self.in_a_row = 0  # consecutive steps skipped as non-finite
         self.last_saved = None
-        # model FLOPs of one step (the planner's count) and the device's peak (None: no mfu)
-        self.step_flops = telemetry.step_flops(cfg)
+        # model FLOPs of one step (the planner's count, telemetry.step_flops of the whole
+        # model) and the device's peak (None: no mfu)
+        self.step_flops = step_flops
         self.peak_tflops = telemetry.device_peak_tflops(cfg.log.peak_tflops, ctx.device)
 
     @property

@@ -1,8 +1,8 @@
 """Per-step model FLOPs, TFLOP/s and MFU: the planner's FLOPs function, so train.py and the
 planner can never disagree.
 
-step_flops(cfg)   model FLOPs of one optimizer step: parallel/planner/flops.model_flops on
-                  the model built on the meta device (3 x forward -- forward + backward,
+step_flops(cfg, model)  model FLOPs of one optimizer step: parallel/planner/flops.model_flops
+                  on the whole single-device model (train.py's, before parallelize; 3 x forward -- forward + backward,
                   no recomputation, no routing imbalance -- the whole model on the global
                   batch, attention's QK^T and AV included), as published runs count them.
 tflops            step_flops / ranks / measured step time / 1e12: model TFLOP/s per rank.
@@ -14,12 +14,14 @@ mfu               tflops / the device's peak: log.peak_tflops when set, else the
 import torch
 
 
-def step_flops(cfg) -> float:
+def step_flops(cfg, model) -> float:
+    """Model FLOPs of one optimizer step of `model` (the whole model, any device, meta too)."""
     from parallel.planner.flops import model_costs, model_flops
+    from parallel.planner.workload import Workload
 
-    from .planning import workload_from_config
-    w = workload_from_config(cfg)
-    return model_flops(model_costs(w.build_model(), w), w)
+    from .planning import stream_tokens
+    w = Workload(lambda: model, cfg.model, cfg.moe, cfg.train.batch_size, stream_tokens(cfg))
+    return model_flops(model_costs(model, w), w)
 
 
 # torch.cuda.get_device_name substrings -> hardware.py presets (the longer names first)

@@ -38,20 +38,28 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
                offloads=OFFLOADS, zeropp=ZEROPP, gpus_per_node: int = 8, cps=(1,),
                cp_modes=CP_MODES) -> list:
     out = []
+    for s in structures(base, world, cps, cp_modes):
+        for zero in zeros:
+            for family in _zero_family(zero, s["dp"], s["tp"], offloads, zeropp, gpus_per_node):
+                for rc in recomputes:
+                    for sched, mb in pipelines(s["pp"]):
+                        out.append(dataclasses.replace(
+                            base, **s, zero=zero, recompute=rc, pp_schedule=sched,
+                            microbatches=mb, pp_stages_per_rank=0, **family))
+    return out
+
+
+def structures(base, world: int, cps, cp_modes) -> list:
+    """[{dp, tp, tp_mode, tp_depth, pp, cp, cp_mode, ep, etp}]: every way of laying the
+    degrees over `world` (the outer loops of candidates, in its order; the search's groups)."""
+    out = []
     for tp, pp, cp in _degrees(world, cps):
         dp = world // (tp * pp * cp)
         modes = cp_modes if cp > 1 else (base.cp_mode,)
         for (tp_mode, depth), (ep, etp), cp_mode in itertools.product(
                 _tp_modes(tp), _expert_degrees(dp * cp * tp), modes):
-            for zero in zeros:
-                for family in _zero_family(zero, dp, tp, offloads, zeropp, gpus_per_node):
-                    for rc in recomputes:
-                        for sched, mb in pipelines(pp):
-                            out.append(dataclasses.replace(
-                                base, dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth,
-                                pp=pp, cp=cp, cp_mode=cp_mode, ep=ep, etp=etp, zero=zero,
-                                recompute=rc, pp_schedule=sched, microbatches=mb,
-                                pp_stages_per_rank=0, **family))
+            out.append(dict(dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth, pp=pp, cp=cp,
+                            cp_mode=cp_mode, ep=ep, etp=etp))
     return out
 
 

@@ -39,25 +39,12 @@ import heapq
 import itertools
 
 from ..pipeline.schedules import MULTI_STAGE_SCHEDULES, bubble_fraction
-from .enumerate import (_degrees, _expert_degrees, _tp_modes, _zero_family, pipelines, rejection,
-                        with_default_layers)
+from .enumerate import _zero_family, pipelines, rejection, structures, with_default_layers
 from .flops import model_flops
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
 
 SLACK = 1 - 1e-9  # bounds and predictions add the same terms in another order
-
-
-def structures(base, world: int, cps, cp_modes) -> list:
-    out = []
-    for tp, pp, cp in _degrees(world, cps):
-        dp = world // (tp * pp * cp)
-        modes = cp_modes if cp > 1 else (base.cp_mode,)
-        for (tp_mode, depth), (ep, etp), cp_mode in itertools.product(
-                _tp_modes(tp), _expert_degrees(dp * cp * tp), modes):
-            out.append(dict(dp=dp, tp=tp, tp_mode=tp_mode, tp_depth=depth, pp=pp, cp=cp,
-                            cp_mode=cp_mode, ep=ep, etp=etp))
-    return out
 
 
 def _bubble(pp, schedule, m) -> float:

@@ -8,7 +8,7 @@ from data.prepare import prepare
 from data.sampler import BatchSampler, open_split
 from parallel.apply import parallelize
 from parallel.plan import ParallelPlan
-from trainer import checkpoint
+from trainer import checkpoint, telemetry
 from trainer.config import load_config
 from trainer.distributed import DistContext
 from trainer.execution import Plain
@@ -39,7 +39,8 @@ def _trainer(tmp_path, text_dir):
     log = MetricsLogger(tmp_path / "run", cfg.log, cfg.train.steps, 0, True)
     task = Task("gpt", 0, cfg.model.vocab_size, cfg.data, CTX.device)
     return Trainer(cfg, CTX, par, opt, sched, None, sampler, files, log, task, Plain(),
-                   first_step=1, stop_request=StopRequest())
+                   first_step=1, stop_request=StopRequest(),
+                   step_flops=telemetry.step_flops(cfg, par.model))  # one process: the whole model
 
 
 def _snapshot(tr):
