@@ -23,8 +23,10 @@ layout's (variant_bound) are tighter: every stage's compute from its real blocks
 (flops.rank_flops; the bubble stretches it), plus its expert all-to-all, pipeline send/recv
 and tensor-parallel traffic (comm.py's own terms, from the stage's blocks), and for the mean
 stage plus the gradient synchronisation of the layout's ZeRO setting (the group: of its
-cheapest). Memory: a layout whose largest stage's activations (memory.activations, exact)
-or mean stage's model state exceeds the GPU cannot fit; a group whose leanest layout (the
+cheapest). Memory: a layout cannot fit when one stage's forward end (its activations,
+memory.activations, exact, on top of the parameters and optimizer state surely on it and
+earlier micro-batches' gradients: memory_bound) or the mean stage's model state exceeds the
+GPU; a group whose leanest layout (the
 highest ZeRO stage, deepest offload, recomputation) cannot fit is dropped whole. A group
 refused by validate for a reason that names no ZeRO / offload / recompute setting is
 refused whole (its layouts counted under that reason). Groups are expanded smallest
@@ -67,8 +69,7 @@ def a2a_seconds(w, s: dict, hw) -> float:
         rows += n_moe * 2 * (own + r * own)
     nbytes = rows * w.model_cfg.d_model * 4
     P = s["ep"]
-    inside = (P - 1) * s["etp"] + 1 <= hw.gpus_per_node
-    bw = (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
+    bw = (hw.intra_bw_gbs if _inside_node(P, s["etp"], hw) else hw.inter_bw_gbs) * 1e9
     return nbytes * (P - 1) / P / bw
 
 
