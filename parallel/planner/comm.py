@@ -261,30 +261,36 @@ def _grid_tensor(w, plan, state, book) -> None:
     norm_ars = 2 if mc.norm == "layernorm" else 1
     fwd, bwd = Counter(), Counter()          # (collective, dim) -> bytes of one micro-batch
 
+    n = [1]                                 # blocks of the kind being counted
+
     def norm():
-        fwd["reduce", "tpc"] += norm_ars * T * 4
-        bwd["reduce", "tpc"] += norm_ars * T * 4
+        fwd["reduce", "tpc"] += n[0] * norm_ars * T * 4
+        bwd["reduce", "tpc"] += n[0] * norm_ars * T * 4
 
     def gathered(width, nbytes):            # a matmul input [T, width/q] gathered over tpc
-        fwd["gather", "tpc"] += T * width / q * nbytes
-        bwd["scatter", "tpc"] += T * width * nbytes
+        fwd["gather", "tpc"] += n[0] * T * width / q * nbytes
+        bwd["scatter", "tpc"] += n[0] * T * width * nbytes
 
     def weight(d_in, d_out):                # a weight block gathered over tpr (fp32)
-        fwd["gather", "tpr"] += d_in * d_out / q ** 2 * 4
-        bwd["scatter", "tpr"] += d_in * d_out / q * 4
+        fwd["gather", "tpr"] += n[0] * d_in * d_out / q ** 2 * 4
+        bwd["scatter", "tpr"] += n[0] * d_in * d_out / q * 4
 
     def scattered(width, nbytes):           # partial outputs [T, width] reduce-scattered
-        fwd["scatter", "tpc"] += T * width * nbytes
-        bwd["gather", "tpc"] += T * width / q * nbytes
+        fwd["scatter", "tpc"] += n[0] * T * width * nbytes
+        bwd["gather", "tpc"] += n[0] * T * width / q * nbytes
 
-    for i in w.blocks_on(state, plan):
+    ids = w.blocks_on(state, plan)
+    n_moe = sum(w.is_moe_block(i) for i in ids)
+    for is_moe, n[0] in ((True, n_moe), (False, len(ids) - n_moe)):  # each kind's blocks at once
+        if not n[0]:
+            continue
         norm(), norm()
         gathered(D, r), scattered(D, a)     # q/k/v input, o's partial outputs
         for _ in range(4):
             weight(D, D)
-        if w.is_moe_block(i):               # [T, D/q] -> [T/q, D] and back
-            fwd["a2a", "tpc"] += 2 * T * D / q * r
-            bwd["a2a", "tpc"] += 2 * T * D / q * r
+        if is_moe:                          # [T, D/q] -> [T/q, D] and back
+            fwd["a2a", "tpc"] += n[0] * 2 * T * D / q * r
+            bwd["a2a", "tpc"] += n[0] * 2 * T * D / q * r
             shared = w.moe_cfg.num_shared_experts * w.expert_d_ff
             if shared:                      # the shared experts: a dense FFN on the grid
                 gathered(D, r), scattered(D, a)
@@ -295,6 +301,7 @@ def _grid_tensor(w, plan, state, book) -> None:
             for _ in range(3 if w.gated else 2):
                 weight(D, F)
     blocks = Counter(fwd) if plan.recompute == "full" else Counter()  # recompute repeats them
+    n[0] = 1
     if state.first_stage:
         weight(V, D)
         fwd["scatter", "tpc"] += T * D * 4
@@ -310,6 +317,5 @@ def _grid_tensor(w, plan, state, book) -> None:
         book(collective, dim, nbytes * m)
     for dim, nbytes in state.grid_grad_sums.items():
         book("reduce", dim, nbytes)
-    moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))
     again = plan.recompute == "full"
-    book("reduce", "tp", 4 * (1 + again) * moe_layers * m)        # the MoE aux loss' tp mean
+    book("reduce", "tp", 4 * (1 + again) * n_moe * m)        # the MoE aux loss' tp mean

@@ -8,7 +8,7 @@ from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
 from .flops import model_flops, rank_flops
 from .memory import activations, model_state, peak_bytes
-from .rank_state import read_rank_state
+from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
 from .step_time import comm_seconds, hideable_seconds, host_seconds, stage_seconds, wire_bytes
@@ -66,8 +66,10 @@ class StateCache:
         hpz = plan.zeropp_hpz  # splits FSDP2 units; offload and quantization are formulas
         v_shape = plan.pp_schedule in V_SCHEDULES  # which stages (blocks, ends) the rank holds
         where, ids = self._place(plan, rank)
-        key = (plan.dp, plan.cp, plan.cp_mode, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.pp_layers, plan.ep, plan.etp, zero,
-               plan.stages_per_rank, v_shape, hpz, where)
+        # the replicas' split into dp row streams x cp sequence parts (and the cp mode)
+        # changes no tensor, only the cp group (rank_state.with_cp): one read serves them all
+        key = (plan.replicas, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.pp_layers,
+               plan.ep, plan.etp, zero, plan.stages_per_rank, v_shape, hpz, where)
         if key not in self.states:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
                                        offload="none", zeropp_quantize_weights=False,
@@ -82,6 +84,7 @@ class StateCache:
         state = self.states[key]
         if isinstance(state, Exception):
             raise type(state)(*state.args)  # a fresh one: the stored one's traceback stays short
+        state = with_cp(state, plan.cp)
         if ids is not None and state.rank != rank:  # a stage of the same shape, read elsewhere
             state = dataclasses.replace(state, rank=rank, block_ids=ids)
         return state

@@ -11,7 +11,7 @@ The fake group needs a process without its own process group (the planner CLI, a
 a notebook before init_process_group).
 """
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from ..dtensors import local
 from ..mesh import build_meshes
 from ..plan import ParallelPlan
 
-__all__ = ["RankState", "Tensors", "read_rank_state", "group_dims", "fake_world"]
+__all__ = ["RankState", "Tensors", "read_rank_state", "group_dims", "fake_world", "with_cp"]
 
 
 @contextlib.contextmanager
@@ -97,6 +97,19 @@ def read_rank_state(build_model, plan: ParallelPlan, rank: int) -> RankState:
     with fake_world(rank, plan.world):
         par = parallelize(build_model(), plan, build_meshes(plan, "cpu"), loss_fn=_no_loss)
         return _read(par, plan, rank)
+
+
+def with_cp(state: RankState, cp: int) -> RankState:
+    """The state of the same rank when its stage's dp x cp replicas split into `cp` sequence
+    parts instead: every tensor, bucket and unit is the same (they see the replicas, dp x cp,
+    as one group: mesh.py's dense "dp" dim), only the cp group differs, a process group of
+    its own (tests/unit/test_planner_state.py reads both and compares)."""
+    if state.groups.get("cp", (None, 1))[1] == cp or not state.groups:
+        return state
+    groups = {d: g for d, g in state.groups.items() if d != "cp"}
+    if cp > 1:
+        groups["cp"] = (frozenset({"cp"}), cp)
+    return replace(state, groups=groups)
 
 
 def _no_loss(logits, targets):

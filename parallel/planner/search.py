@@ -9,30 +9,36 @@ at least the group's bound
     bound = C / (1 - bubble) + A + G        (seconds; <= the predicted step_s, an upper bound)
     C = the sum of all ranks' training FLOPs without recomputation (flops.model_flops with the
         routing imbalance under ep) / world / achievable FLOP/s: the mean stage's compute
-    A = the mean stage's expert all-to-all (comm.py's payload with recompute off: 4 x local
-        batch tokens x K / (cp tp) rows of 4 D bytes per MoE layer, n_moe / pp layers, plus
-        the count tables) x (P-1)/P on the wire, at the intra-node bandwidth when the ep group
-        fits in one node's consecutive ranks ((ep-1) etp + 1 <= gpus per node), else inter
+    A = the mean stage's traffic inside the step (structure_seconds: comm.py's expert
+        all-to-all, expert-tensor, tensor- and context-parallel payloads of the whole model
+        with recompute off, over pp) on the wire, at the intra-node bandwidth where the
+        group can lie in one node's consecutive ranks ((size-1) stride + 1 <= gpus per node),
+        else inter
     bubble = the group's schedule bubble (structures: the smallest of their schedules')
-    G = sync_seconds: the least gradient synchronisation any ZeRO setting does, run after
-        the pipeline
+    G = sync_seconds x _sync_factor: the least gradient synchronisation any of the
+        structure's ZeRO settings does (at one micro-batch), run after the pipeline
 
 The slowest stage is at least the mean stage, and ZeRO, offload, recomputation, tensor and
 data-parallel traffic only add, so no layout beats its bound. A group's own bound and each
 layout's (variant_bound) are tighter: every stage's compute from its real blocks
-(flops.rank_flops; the bubble stretches it), plus its expert all-to-all, pipeline send/recv
-and tensor-parallel traffic (comm.py's own terms, from the stage's blocks), and for the mean
-stage plus the gradient synchronisation of the layout's ZeRO setting (the group: of its
-cheapest). Memory: a layout cannot fit when one stage's forward end (its activations,
-memory.activations, exact, on top of the parameters and optimizer state surely on it and
-earlier micro-batches' gradients: memory_bound) or the mean stage's model state exceeds the
-GPU; a group whose leanest layout (the
-highest ZeRO stage, deepest offload, recomputation) cannot fit is dropped whole. A group
-refused by validate for a reason that names no ZeRO / offload / recompute setting is
-refused whole (its layouts counted under that reason). Groups are expanded smallest
-bound first; the search stops when the next bound exceeds the top-th fitting step time: the
-top list (and its order) is the exhaustive search's (tests/unit/test_planner_search.py checks
-it at world 8 and 16). Layouts never expanded are counted, not listed.
+(flops.rank_flops; the bubble stretches it), plus its expert all-to-all, expert-tensor,
+pipeline send/recv, tensor- and context-parallel traffic (comm.py's own terms, from the
+stage's blocks), and for the mean stage plus the gradient synchronisation of the layout's
+ZeRO setting (the group: of its cheapest). Memory: a layout cannot fit when one stage's
+forward end (its activations, memory.activations, exact, on top of the parameters and
+optimizer state surely on it, earlier micro-batches' gradients and ZeRO-3's gathered
+units: memory_bound) or the mean stage's model state exceeds the GPU; a group whose
+leanest layout (the highest ZeRO stage, deepest offload, recomputation) cannot fit is
+dropped whole. A group refused by validate for a reason that names no ZeRO / offload /
+recompute setting is refused whole (its layouts counted under that reason). Structures,
+groups and layouts share one heap, smallest bound first (a group's layouts join it each at
+its own bound, so a slow ZeRO variant waits behind faster layouts of other groups); the
+search stops when the next bound exceeds the top-th fitting step time: the top list (and
+its order) is the exhaustive search's (tests/unit/test_planner_search.py checks it at
+world 8 and 16). Layouts never reached are counted, not listed.
+
+Reads: StateCache shares one meta parallelize among the pipeline ranks of one stage shape
+and among the splits of a stage's dp x cp replicas (rank_state.with_cp).
 """
 import bisect
 import collections
@@ -54,23 +60,16 @@ def _bubble(pp, schedule, m) -> float:
     return bubble_fraction(schedule, pp, m, chunks)
 
 
-def a2a_seconds(w, s: dict, hw) -> float:
-    """A of the module docstring for structure s (a layout's bound uses comm.py's own term)."""
-    if not w.has_moe() or s["ep"] == 1:
-        return 0.0
-    moe = w.moe_cfg
-    n_moe = sum(1 for i in range(w.model_cfg.n_layers) if w.is_moe_block(i)) / s["pp"]
-    r = w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
-    rows = 0.0
-    for S in w.stream_tokens.values():
-        own = w.batch_size / s["dp"] * S / s["cp"] * moe.top_k / s["tp"]
-        if moe.capacity_factor and moe.capacity_factor < 1:
-            own *= moe.capacity_factor
-        rows += n_moe * 2 * (own + r * own)
-    nbytes = rows * w.model_cfg.d_model * 4
-    P = s["ep"]
-    bw = (hw.intra_bw_gbs if _inside_node(P, s["etp"], hw) else hw.inter_bw_gbs) * 1e9
-    return nbytes * (P - 1) / P / bw
+def structure_seconds(w, base, s: dict, hw) -> float:
+    """A of the module docstring for structure s: inside_seconds of the whole model (every
+    block on one stage, both ends, recomputation off) over pp, without the pipeline's own
+    send/recv (which depends on the schedule). The terms are additive over blocks, so this is
+    the mean stage's; micro_seqs x micro_count is the local batch whatever m is taken."""
+    sch, m = pipelines(s["pp"])[0]
+    plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
+                               recompute="none")
+    whole = _Blocks(list(range(w.model_cfg.n_layers)), True)
+    return inside_seconds(w, plan, whole, hw, pipeline=False) / s["pp"]
 
 
 def _inside_node(size: int, stride: int, hw) -> bool:
@@ -90,24 +89,25 @@ def state_bytes(model) -> tuple:
     return dense, expert
 
 
-def sync_seconds(s: dict, sizes: tuple, hw) -> float:
-    """The least gradient-synchronisation time of any ZeRO setting: each replica group moves
-    at least (P-1)/P of its mean stage's gradient bytes once (an all-reduce moves twice that,
-    ZeRO-1/2 gather the slices back, ZeRO-3 gathers the parameters each micro-batch; only
-    ZeRO++'s quantized reduce-scatter moves less, and its all-gather still moves this much).
-    Dense gradients: dense bytes / (tp pp) over the dp x cp replicas (tp ranks apart); expert
-    gradients: expert bytes / (ep etp pp) over edp = dp cp tp / (ep etp) ranks."""
+def sync_seconds(s: dict, sizes: tuple, hw) -> tuple:
+    """(dense, expert): the least gradient-synchronisation seconds of any ZeRO setting: each
+    replica group moves at least (P-1)/P of its mean stage's gradient bytes once (an
+    all-reduce moves twice that, ZeRO-1/2 gather the slices back, ZeRO-3 gathers the
+    parameters each micro-batch; only ZeRO++'s quantized reduce-scatter moves less, and its
+    all-gather still moves this much). Dense gradients: dense bytes / (tp pp) over the
+    dp x cp replicas (tp ranks apart); expert gradients: expert bytes / (ep etp pp) over
+    edp = dp cp tp / (ep etp) ranks."""
     dense, expert = sizes
-    out = 0.0
+    out = [0.0, 0.0]
     P = s["dp"] * s["cp"]
     if P > 1:
         bw = hw.intra_bw_gbs if _inside_node(P, s["tp"], hw) else hw.inter_bw_gbs
-        out += dense / (s["tp"] * s["pp"]) * (P - 1) / P / (bw * 1e9)
+        out[0] = dense / (s["tp"] * s["pp"]) * (P - 1) / P / (bw * 1e9)
     E = s["dp"] * s["cp"] * s["tp"] // (s["ep"] * s["etp"])
     if E > 1 and expert:
         bw = hw.intra_bw_gbs if _inside_node(E, s["ep"] * s["etp"], hw) else hw.inter_bw_gbs
-        out += expert / (s["ep"] * s["etp"] * s["pp"]) * (E - 1) / E / (bw * 1e9)
-    return out
+        out[1] = expert / (s["ep"] * s["etp"] * s["pp"]) * (E - 1) / E / (bw * 1e9)
+    return tuple(out)
 
 
 @dataclasses.dataclass
@@ -152,10 +152,10 @@ def _state_gb_bound(plan, sizes, optimizer: str) -> float:
     return persist + grads
 
 
-def _stage_sizes(w, plan, stages) -> list:
-    """[(dense, expert) bytes] per pipeline rank, counting only what surely lies there: the
-    matmul weights of its blocks (pipeline/layers.py's block_weights: no norms, no biases),
-    the embedding on the first stage and an untied head on the last; fp32 parameters."""
+def _block_bytes(w) -> tuple:
+    """([dense bytes], [expert bytes]) per block and the embedding's and an untied head's
+    bytes: only what surely exists (pipeline/layers.py's block_weights: the matmul weights,
+    no norms, no biases), fp32 parameters, the whole model's (not divided by any degree)."""
     from ..pipeline.layers import block_weights
     m, moe = w.model_cfg, (w.moe_cfg if w.has_moe() else None)
     _t, params, embed, (_ht, head) = block_weights(m, moe, w.stream_tokens.get("decoder", 0))
@@ -165,11 +165,31 @@ def _stage_sizes(w, plan, stages) -> list:
         g = 3 if ACTIVATIONS.get(m.activation, (None, False))[1] else 2
         bank = moe.num_experts * g * m.d_model * (moe.d_ff or m.d_ff)
         expert = [bank if w.is_moe_block(i) else 0 for i in range(len(params))]
-    out = []
-    for st in stages:
-        dense = sum(params[i] - expert[i] for i in st.block_ids)
-        dense += (embed if st.first_stage else 0) + (head if st.last_stage else 0)
-        out.append((4 * dense, 4 * sum(expert[i] for i in st.block_ids)))
+    return [4 * (p - e) for p, e in zip(params, expert)], [4 * e for e in expert], 4 * embed, 4 * head
+
+
+def _stage_sizes(blocks, stages) -> list:
+    """[(dense, expert) bytes] per pipeline rank, counting only what surely lies there
+    (blocks = _block_bytes): its blocks, the embedding on the first stage, an untied head on
+    the last."""
+    dense, expert, embed, head = blocks
+    return [(sum(dense[i] for i in st.block_ids) + (embed if st.first_stage else 0) +
+             (head if st.last_stage else 0), sum(expert[i] for i in st.block_ids))
+            for st in stages]
+
+
+def _gathered_unit(blocks, plan, st) -> float:
+    """ZeRO-3: the least bytes of the stage's largest gathered FSDP2 unit (memory.py's
+    'biggest'): a MoE layer's expert bank over ep x etp (one unit: fsdp.py wraps the
+    experts module), and without hpZ (which may give a block's other-dim parameters units
+    of their own) a dense block's weights over tp. blocks: _block_bytes."""
+    dense, expert, _e, _h = blocks
+    out = 0.0
+    for i in st.block_ids:
+        if expert[i]:
+            out = max(out, expert[i] / (plan.ep * plan.etp))
+        elif not plan.zeropp_hpz:
+            out = max(out, dense[i] / plan.tp)
     return out
 
 
@@ -178,16 +198,19 @@ def memory_bound(w, plan, sizes) -> float:
     (_state_gb_bound), or a stage's forward end, whichever is larger: its activations
     (memory.activations, exact: it needs only the stage's blocks) on top of the params and
     optimizer state surely there (the whole model's with one stage, else _stage_sizes) and,
-    with gradient accumulation outside ZeRO-3, the gradients of earlier micro-batches."""
+    with gradient accumulation outside ZeRO-3, the gradients of earlier micro-batches; under
+    ZeRO-3 the gathered units (_gathered_unit) this one and the prefetched."""
     from .memory import activations
-    stages = _stage_blocks(w, plan)
-    held = [sizes] if plan.pp == 1 else _stage_sizes(w, plan, stages)
+    stages, blocks = _stage_blocks(w, plan), _block_bytes(w)
+    held = [sizes] if plan.pp == 1 else _stage_sizes(blocks, stages)
     worst = 0.0
     for r, (st, stage_sizes) in enumerate(zip(stages, held)):
         acts = activations(w, plan, st, r)
         persist, _grads = _state_parts(plan, stage_sizes, w.optimizer)
         if acts.microbatches > 1 and plan.zero != 3:  # full local gradients
             persist += stage_sizes[0] / plan.tp + stage_sizes[1] / (plan.ep * plan.etp)
+        if plan.zero == 3 and plan.world > 1:  # this unit and at least one prefetched
+            persist += (1 + max(1, plan.zero_prefetch)) * _gathered_unit(blocks, plan, st)
         worst = max(worst, acts.total + persist)
     return max(worst, _state_gb_bound(plan, sizes, w.optimizer))
 
@@ -203,20 +226,24 @@ def _stage_blocks(w, plan) -> list:
             for r in range(plan.pp)]
 
 
-def inside_seconds(w, plan, state, hw) -> float:
-    """The stage's expert all-to-all, pipeline send/recv and tensor-parallel traffic
-    (comm.py's own terms, all run inside the step), at the intra-node bandwidth where the
-    group can lie in one node."""
+def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> float:
+    """The stage's expert all-to-all and expert-tensor-parallel traffic, pipeline send/recv
+    (unless pipeline=False), tensor- and context-parallel traffic: comm.py's own terms,
+    unstretched by the bubble, at the intra-node bandwidth where the group can lie in one
+    node. Context-parallel traffic runs after the stretch in step_time; the rest inside."""
     from collections import Counter
 
-    from .comm import _experts, _grid_tensor, _pipeline, _tensor
+    from .comm import _context, _experts, _grid_tensor, _pipeline, _tensor
     from .step_time import _WIRE
     q = plan.tp_grid or 1
-    sizes = {"pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "tpc": q, "tpr": q, "tpd": plan.tp_depth}
-    # the tp group is consecutive ranks, an ep group etp apart; a grid dim's stride is
-    # unknown here, so only a group larger than a node surely leaves it
+    sizes = {"pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "etp": plan.etp, "cp": plan.cp,
+             "tpc": q, "tpr": q, "tpd": plan.tp_depth}
+    # the tp and etp groups are consecutive ranks, an ep group etp apart, a cp group tp
+    # apart (mesh.py); a grid dim's stride is unknown here, so only a group larger than a
+    # node surely leaves it
     inside = {"pp": _inside_node(plan.pp, plan.pool, hw), "tp": _inside_node(plan.tp, 1, hw),
-              "ep": _inside_node(plan.ep, plan.etp, hw),
+              "ep": _inside_node(plan.ep, plan.etp, hw), "etp": _inside_node(plan.etp, 1, hw),
+              "cp": _inside_node(plan.cp, plan.tp, hw),
               **{d: sizes[d] <= hw.gpus_per_node for d in ("tpc", "tpr", "tpd")}}
     total = [0.0]
 
@@ -230,8 +257,10 @@ def inside_seconds(w, plan, state, hw) -> float:
     def book(collective, dim, nbytes):
         if dim in sizes:
             total[0] += seconds(collective, dim, nbytes)
-    _pipeline(w, plan, state, book)
+    if pipeline:
+        _pipeline(w, plan, state, book)
     _experts(w, plan, state, book)
+    _context(w, plan, state, book)
     if plan.tp > 1 and plan.tp_mode == "1d":
         out = Counter()
         _tensor(w, plan, state, book, out, [])
@@ -251,18 +280,29 @@ class _Variant:
     zeropp_hpz: int
 
 
-def _sync_factor(plan, m: int) -> float:
-    """Times (P-1)/P of the gradient bytes the layout's ZeRO setting moves at least (comm.py):
-    all-reduce 2; ZeRO-1 + the slices' gather; ZeRO-2 reduce-scatter (qgZ: int8, >= 1/4) +
-    gather; ZeRO-3 the forward gathers of every micro-batch (qwZ >= 1/4) + the reduce-scatter
-    (backward gathers left out: hpZ keeps them in the node, the root skips them)."""
+def _sync_factor(plan, m: int) -> tuple:
+    """(dense, expert): times (P-1)/P of the gradient bytes the layout's ZeRO setting moves
+    at least (comm.py): all-reduce 2; ZeRO-1 + the slices' gather; ZeRO-2 reduce-scatter
+    (qgZ: int8, >= 1/4) + gather; ZeRO-3 the forward gathers of every micro-batch (qwZ
+    >= 1/4) + the reduce-scatter, and for the experts without hpZ the backward gathers too
+    (an expert unit is never the root, which stays gathered; with hpZ they stay in the
+    node, and the dense side's root share is left out)."""
     q = 0.25
     scatter = q if plan.zeropp_quantize_grads else 1.0
-    return {0: 2.0, 1: 3.0, 2: scatter + 1.0,
-            3: m * (q if plan.zeropp_quantize_weights else 1.0) + scatter}[plan.zero]
+    if plan.zero != 3:
+        f = {0: 2.0, 1: 3.0, 2: scatter + 1.0}[plan.zero]
+        return f, f
+    gathers = m * (q if plan.zeropp_quantize_weights else 1.0)
+    return gathers + scatter, gathers * (1 if plan.zeropp_hpz else 2) + scatter
 
 
-def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: float = None) -> float:
+def _least_factors(variants, m: int) -> tuple:
+    """(dense, expert): each side's least _sync_factor over the ZeRO variants (field dicts)."""
+    factors = [_sync_factor(_Variant(**v), m) for v in variants]
+    return tuple(min(f[k] for f in factors) for k in (0, 1))
+
+
+def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) -> float:
     """A lower bound of one layout's step_s: every stage's compute (flops.rank_flops, exact
     from its blocks) stretched by the bubble plus its inside-the-step traffic
     (inside_seconds: comm.py's expert all-to-all, pipeline and tensor-parallel terms), and
@@ -280,7 +320,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: float = None) 
         xs.append(compute + inside_seconds(w, plan, st, hw))
     if sync_factor is None:
         sync_factor = _sync_factor(plan, micro_count(w, plan))
-    g = sync_seconds(s, sizes, hw) * sync_factor
+    g = sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), sync_factor))
     return max(max(xs), sum(xs) / len(xs) + g)
 
 
@@ -303,6 +343,13 @@ def _with_layers(w, plan, memo: dict):
     return dataclasses.replace(plan, pp_layers=memo[key])
 
 
+def _variants(s, zeros, offloads, zeropp, gpus_per_node) -> list:
+    """The ZeRO / offload / ZeRO++ variants of every group of structure s, as field dicts
+    (a plan per variant is built only when the variant itself is examined)."""
+    return [dict(zero=z, **f) for z in zeros
+            for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
+
+
 def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloads, zeropp,
             gpus_per_node) -> list:
     """[(bound, (s, schedule, m, stages)) or None (even its leanest layout overflows)] of a
@@ -311,10 +358,7 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
     the deepest offload, recomputation)."""
     from .comm import micro_count
     out = []
-    # the ZeRO / offload / ZeRO++ variants of every group of this structure, as field dicts
-    # (a plan per variant is built only when the variant itself is examined)
-    variants = [dict(zero=z, **f) for z in zeros
-                for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
+    variants = _variants(s, zeros, offloads, zeropp, gpus_per_node)
     lean = min(variants, key=lambda v: (-v["zero"], -OFFLOAD_DEPTH.index(v["offload"])))
     for sch, m in pipelines(s["pp"]):
         plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
@@ -335,7 +379,7 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
                 continue
         stages = _stage_blocks(w, plan)
         mc = micro_count(w, plan)
-        least = min(_sync_factor(_Variant(**v), mc) for v in variants)
+        least = _least_factors(variants, mc)
         leanest = dataclasses.replace(plan, **lean, recompute="full" if "full" in recomputes else "none")
         if memory_bound(w, leanest, sizes) > hw.gpu_mem_bytes:
             out.append(None)
@@ -365,10 +409,12 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
     sizes = state_bytes(w.build_model())
     for s in structures(base, world, cps, cp_modes):
         least = min(_bubble(s["pp"], sch, m) for sch, m in pipelines(s["pp"]))
-        bound = compute(s) / (1 - least) + a2a_seconds(w, s, hw) + sync_seconds(s, sizes, hw)
+        factors = _least_factors(_variants(s, zeros, offloads, zeropp, gpus_per_node), 1)
+        bound = compute(s) / (1 - least) + structure_seconds(w, base, s, hw) + \
+            sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), factors))
         heapq.heappush(heap, (bound * SLACK, next(tick), "structure", (s,)))
     fits, too_big, invalid = [], [], []
-    examined = slower = overflow = overflow_groups = 0
+    examined = overflow = overflow_groups = 0
     refused_counts = collections.Counter()  # reason -> layouts (a refused group counts all)
     memo = {}
     n_layers = getattr(w.model_cfg, "n_layers", 0)
@@ -391,41 +437,49 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
                 else:
                     heapq.heappush(heap, (entry[0], next(tick), "group", entry[1]))
             continue
-        s, sch, m, stages = item
-        for zero in zeros:
-            for family in _zero_family(zero, s["dp"], s["tp"], offloads, zeropp, gpus_per_node):
-                for rc in recomputes:
-                    plan = dataclasses.replace(base, **s, zero=zero, recompute=rc, pp_schedule=sch,
-                                               microbatches=m, pp_stages_per_rank=0, **family)
-                    plan = with_default_layers(plan, n_layers)
-                    examined += 1
-                    try:
-                        plan = _with_layers(w, plan, memo)
-                        if variant_bound(w, plan, costs, hw, sizes, stages) * SLACK > kth():
-                            slower += 1
+        if kind == "group":  # its layouts join the heap, each at its own bound
+            s, sch, m, stages = item
+            for zero in zeros:
+                for family in _zero_family(zero, s["dp"], s["tp"], offloads, zeropp, gpus_per_node):
+                    for rc in recomputes:
+                        plan = dataclasses.replace(base, **s, zero=zero, recompute=rc, pp_schedule=sch,
+                                                   microbatches=m, pp_stages_per_rank=0, **family)
+                        plan = with_default_layers(plan, n_layers)
+                        examined += 1
+                        try:
+                            plan = _with_layers(w, plan, memo)
+                        except ValueError as e:
+                            invalid.append((plan, rejection(e)))
+                            refused_counts[rejection(e)] += 1
                             continue
-                        if memory_bound(w, plan, sizes) > hw.gpu_mem_bytes:
-                            overflow += 1
-                            continue
-                        plan = w.validate(plan, world)
-                    except ValueError as e:
-                        invalid.append((plan, rejection(e)))
-                        refused_counts[rejection(e)] += 1
-                        continue
-                    try:
-                        pred = predict(w, plan, hw, costs, cache)
-                    except BUILD_ERRORS as e:
-                        invalid.append((plan, f"parallelize: {rejection(e)}"))
-                        refused_counts[f"parallelize: {rejection(e)}"] += 1
-                        continue
-                    if pred.fits:
-                        fits.append(pred)
-                        bisect.insort(best, pred.step_s)
-                        del best[top:]
-                    else:
-                        too_big.append(pred)
+                        bound = variant_bound(w, plan, costs, hw, sizes, stages) * SLACK
+                        heapq.heappush(heap, (bound, next(tick), "layout", plan))
+            continue
+        plan = item
+        try:
+            if memory_bound(w, plan, sizes) > hw.gpu_mem_bytes:
+                overflow += 1
+                continue
+            plan = w.validate(plan, world)
+        except ValueError as e:
+            invalid.append((plan, rejection(e)))
+            refused_counts[rejection(e)] += 1
+            continue
+        try:
+            pred = predict(w, plan, hw, costs, cache)
+        except BUILD_ERRORS as e:
+            invalid.append((plan, f"parallelize: {rejection(e)}"))
+            refused_counts[f"parallelize: {rejection(e)}"] += 1
+            continue
+        if pred.fits:
+            fits.append(pred)
+            bisect.insort(best, pred.step_s)
+            del best[top:]
+        else:
+            too_big.append(pred)
     pruned = sum(1 for e in heap if e[2] == "group") + \
         sum(len(pipelines(e[3][0]["pp"])) for e in heap if e[2] == "structure")
+    slower = sum(1 for e in heap if e[2] == "layout")  # examined, never reached
     fits.sort(key=rank_key)
     too_big.sort(key=lambda p: p.peak_bytes)
     return {"fits": fits, "too_big": too_big, "invalid": invalid, "examined": examined,

@@ -5,6 +5,7 @@ Shapes: B global batch in sequences, S tokens per sequence of a stream, D model 
 F ffn dim, E experts, K top-k, V vocabulary.
 """
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 from moe.experts import ACTIVATIONS
@@ -37,7 +38,14 @@ class Workload:
         return self.moe_cfg is not None and self.moe_cfg.every > 0 and self.moe_cfg.num_experts > 0
 
     def is_moe_block(self, i: int) -> bool:
-        return self.has_moe() and self.moe_cfg.is_moe_block(i)
+        return i in self._moe_ids
+
+    @cached_property
+    def _moe_ids(self) -> frozenset:
+        """The MoE blocks' indices (per stack): the search asks millions of times."""
+        if not self.has_moe():
+            return frozenset()
+        return frozenset(self.moe_cfg.moe_block_ids(self.model_cfg.n_layers))
 
     def blocks_on(self, state, plan) -> list:
         """Block indices (per stack) this rank runs: its pipeline stage's, or all of them."""

@@ -42,11 +42,17 @@ def test_text_output_names_refusals(capsys):
     assert main(["--config", str(cfg), "--world", "8", "--top", "3"]) == 0
     text = capsys.readouterr().out
     assert "fits (fastest first):" in text
-    # validate's own message for tp=8 with 4 heads, and a layout parallelize cannot build
-    assert "model.n_heads=4 is not divisible by parallel.tp=8" in text
+    # the refusals the search reached, counted with validate's own message
+    assert "cannot fill 8 pipeline stages; lower parallel.pp" in text
+    assert "parallel.pp_schedule=2bw with parallel.ep/etp > 1" in text
     # a pipeline rank whose blocks are all dense is planned under ep (it used to be refused)
     assert "no MoELayer" not in text
-    assert "parallel.cp=2 with parallel.pp_schedule=zbv" in text  # cp enumerated, refusals named
+    # layouts the search never reached (bounded slower) are not listed; --layout names
+    # validate's reason for any of them (cp enumerated, its refusals named)
+    for layout, reason in (("tp8", "model.n_heads=4 is not divisible by parallel.tp=8"),
+                           ("cp2 pp2 m2 zbv", "parallel.cp=2 with parallel.pp_schedule=zbv")):
+        assert main(["--config", str(cfg), "--world", "8", "--layout", layout]) == 2
+        assert reason in capsys.readouterr().err, layout
 
 
 def test_bad_override_is_reported(capsys):
@@ -98,6 +104,30 @@ def test_state_cache_keeps_v_and_looped_placements_apart():
     shared = StateCache(w.build_model)
     peaks("interleaved_1f1b", shared)
     assert peaks("zbv", shared) == alone
+
+
+def test_one_read_serves_every_split_of_the_replicas_into_cp():
+    """StateCache reads a layout once per dp x cp product: the split into row streams and
+    sequence parts (and ring / ulysses) changes no tensor, bucket or unit, only the cp group
+    (rank_state.with_cp). Read each split for real and compare, at ZeRO 1 and 3 under ep."""
+    import dataclasses
+    from parallel.planner.rank_state import read_rank_state, with_cp
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    w = workload_from_config(load_config(None, ["model.n_layers=2"]))
+
+    def read(**kw):
+        plan = w.validate(dataclasses.replace(w_base, **kw), 8)
+        return read_rank_state(w.build_model, plan, 0)
+    w_base = load_config(None, []).parallel
+    for zero in (1, 3):
+        flat = read(dp=8, cp=1, ep=2, zero=zero)
+        for dp, cp, mode in ((4, 2, "ring"), (2, 4, "ulysses"), (1, 8, "ring")):
+            real = read(dp=dp, cp=cp, cp_mode=mode, ep=2, zero=zero)
+            derived = with_cp(flat, cp)
+            assert real.groups["cp"] == (frozenset({"cp"}), cp)
+            assert dataclasses.replace(derived, plan=real.plan) == real, (zero, dp, cp, mode)
+            assert with_cp(real, 1) == dataclasses.replace(flat, plan=real.plan)
 
 
 def test_overlap_lower_bound():
