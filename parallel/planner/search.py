@@ -6,14 +6,14 @@ The exhaustive search (report.plan_all) predicts every candidate of enumerate.py
 form, pp, ep, etp), then by pipeline schedule and micro-batches; every layout of a group runs
 at least the group's bound
 
-    bound = C / (1 - bubble) + A + G        (seconds; <= the predicted step_s, an upper bound)
+    bound = (C + A_in) / (1 - bubble) + A_out + G   (seconds; <= the predicted step_s, an upper bound)
     C = the sum of all ranks' training FLOPs without recomputation (flops.model_flops with the
         routing imbalance under ep) / world / achievable FLOP/s: the mean stage's compute
-    A = the mean stage's traffic inside the step (structure_seconds: comm.py's expert
-        all-to-all, expert-tensor, tensor- and context-parallel payloads of the whole model
-        with recompute off, over pp) on the wire, at the intra-node bandwidth where the
-        group can lie in one node's consecutive ranks ((size-1) stride + 1 <= gpus per node),
-        else inter
+    A = the mean stage's traffic (structure_seconds: comm.py's expert all-to-all, expert-
+        tensor, tensor- and context-parallel payloads of the whole model with recompute off,
+        over pp) on the wire, at the intra-node bandwidth where the group can lie in one
+        node's consecutive ranks ((size-1) stride + 1 <= gpus per node), else inter; A_in
+        the part step_time surely stretches by the bubble (inside_seconds), A_out the rest
     bubble = the group's schedule bubble (structures: the smallest of their schedules')
     G = sync_seconds x _sync_factor: the least gradient synchronisation any of the
         structure's ZeRO settings does (at one micro-batch), run after the pipeline
@@ -60,16 +60,29 @@ def _bubble(pp, schedule, m) -> float:
     return bubble_fraction(schedule, pp, m, chunks)
 
 
-def structure_seconds(w, base, s: dict, hw) -> float:
-    """A of the module docstring for structure s: inside_seconds of the whole model (every
+def structure_seconds(w, base, s: dict, hw) -> tuple:
+    """A of the module docstring for structure s, as inside_seconds' (stretched, rest): its
+    terms for the whole model (every
     block on one stage, both ends, recomputation off) over pp, without the pipeline's own
     send/recv (which depends on the schedule). The terms are additive over blocks, so this is
     the mean stage's; micro_seqs x micro_count is the local batch whatever m is taken."""
+    if w.batch_size < s["dp"]:  # no sequence per rank: validate refuses it when expanded
+        return 0.0, 0.0
     sch, m = pipelines(s["pp"])[0]
     plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
                                recompute="none")
     whole = _Blocks(list(range(w.model_cfg.n_layers)), True)
-    return inside_seconds(w, plan, whole, hw, pipeline=False) / s["pp"]
+    return tuple(t / s["pp"] for t in inside_seconds(w, plan, whole, hw, pipeline=False))
+
+
+def structure_bound(w, base, s: dict, hw, sizes, compute_s: float, variants) -> float:
+    """The bound of the module docstring for structure s: compute_s = C, variants: its ZeRO
+    variants (_variants), sizes: state_bytes of the whole model."""
+    least = min(_bubble(s["pp"], sch, m) for sch, m in pipelines(s["pp"]))
+    factors = _least_factors(variants, 1)
+    stretched, rest = structure_seconds(w, base, s, hw)
+    return (compute_s + stretched) / (1 - least) + rest + \
+        sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), factors))
 
 
 def _inside_node(size: int, stride: int, hw) -> bool:
@@ -89,24 +102,26 @@ def state_bytes(model) -> tuple:
     return dense, expert
 
 
-def sync_seconds(s: dict, sizes: tuple, hw) -> tuple:
+def sync_seconds(s: dict, sizes: tuple, hw, stages_over: int = None) -> tuple:
     """(dense, expert): the least gradient-synchronisation seconds of any ZeRO setting: each
     replica group moves at least (P-1)/P of its mean stage's gradient bytes once (an
     all-reduce moves twice that, ZeRO-1/2 gather the slices back, ZeRO-3 gathers the
     parameters each micro-batch; only ZeRO++'s quantized reduce-scatter moves less, and its
     all-gather still moves this much). Dense gradients: dense bytes / (tp pp) over the
     dp x cp replicas (tp ranks apart); expert gradients: expert bytes / (ep etp pp) over
-    edp = dp cp tp / (ep etp) ranks."""
+    edp = dp cp tp / (ep etp) ranks. stages_over: what divides `sizes` instead of pp (1:
+    they are one stage's)."""
     dense, expert = sizes
+    pp = s["pp"] if stages_over is None else stages_over
     out = [0.0, 0.0]
     P = s["dp"] * s["cp"]
     if P > 1:
         bw = hw.intra_bw_gbs if _inside_node(P, s["tp"], hw) else hw.inter_bw_gbs
-        out[0] = dense / (s["tp"] * s["pp"]) * (P - 1) / P / (bw * 1e9)
+        out[0] = dense / (s["tp"] * pp) * (P - 1) / P / (bw * 1e9)
     E = s["dp"] * s["cp"] * s["tp"] // (s["ep"] * s["etp"])
     if E > 1 and expert:
         bw = hw.intra_bw_gbs if _inside_node(E, s["ep"] * s["etp"], hw) else hw.inter_bw_gbs
-        out[1] = expert / (s["ep"] * s["etp"] * s["pp"]) * (E - 1) / E / (bw * 1e9)
+        out[1] = expert / (s["ep"] * s["etp"] * pp) * (E - 1) / E / (bw * 1e9)
     return tuple(out)
 
 
@@ -226,11 +241,15 @@ def _stage_blocks(w, plan) -> list:
             for r in range(plan.pp)]
 
 
-def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> float:
-    """The stage's expert all-to-all and expert-tensor-parallel traffic, pipeline send/recv
-    (unless pipeline=False), tensor- and context-parallel traffic: comm.py's own terms,
-    unstretched by the bubble, at the intra-node bandwidth where the group can lie in one
-    node. Context-parallel traffic runs after the stretch in step_time; the rest inside."""
+def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> tuple:
+    """(stretched, rest) seconds of the stage's expert all-to-all and expert-tensor-parallel
+    traffic, pipeline send/recv (unless pipeline=False), tensor- and context-parallel
+    traffic: comm.py's own terms, at the intra-node bandwidth where the group can lie in one
+    node. stretched: what step_time surely stretches by the bubble (the ledger classifies it
+    inside the step whatever other dims its group serves: ledger.classify): pipeline
+    send/recv, the expert all-to-alls (not under 2.5d, whose depth group may be the ep
+    group), tensor-parallel traffic but its reductions; rest: the others (context-parallel
+    traffic runs after the stretch)."""
     from collections import Counter
 
     from .comm import _context, _experts, _grid_tensor, _pipeline, _tensor
@@ -245,7 +264,8 @@ def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> float:
               "ep": _inside_node(plan.ep, plan.etp, hw), "etp": _inside_node(plan.etp, 1, hw),
               "cp": _inside_node(plan.cp, plan.tp, hw),
               **{d: sizes[d] <= hw.gpus_per_node for d in ("tpc", "tpr", "tpd")}}
-    total = [0.0]
+    stretched = {"pp", "tpc", "tpr"} | ({"ep", "etp"} if plan.tp_mode != "2.5d" else set())
+    total = [0.0, 0.0]
 
     def seconds(collective, dim, nbytes):
         P = sizes.get(dim, 1)
@@ -256,7 +276,8 @@ def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> float:
 
     def book(collective, dim, nbytes):
         if dim in sizes:
-            total[0] += seconds(collective, dim, nbytes)
+            surely = dim in stretched or (dim == "tp" and collective != "reduce")
+            total[0 if surely else 1] += seconds(collective, dim, nbytes)
     if pipeline:
         _pipeline(w, plan, state, book)
     _experts(w, plan, state, book)
@@ -267,7 +288,7 @@ def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> float:
         total[0] += seconds("pair", "tp", out["tensor_parallel"])
     elif plan.tp > 1:
         _grid_tensor(w, plan, state, book)
-    return total[0]
+    return tuple(total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,24 +325,28 @@ def _least_factors(variants, m: int) -> tuple:
 
 def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) -> float:
     """A lower bound of one layout's step_s: every stage's compute (flops.rank_flops, exact
-    from its blocks) stretched by the bubble plus its inside-the-step traffic
-    (inside_seconds: comm.py's expert all-to-all, pipeline and tensor-parallel terms), and
-    for the mean stage the gradient synchronisation of its ZeRO setting."""
+    from its blocks) and the traffic step_time surely runs inside the step, stretched by
+    the bubble, plus its other traffic (inside_seconds: comm.py's expert all-to-all, expert-
+    tensor, pipeline, tensor- and context-parallel terms) and its gradient synchronisation
+    at the layout's ZeRO setting (the group: its cheapest) from the bytes surely on it
+    (_stage_sizes); and the mean stage's with the whole model's gradient bytes over pp."""
     from .comm import micro_count
     from .flops import rank_flops
     bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
     s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp)
-    xs = []
-    for st in stages:
-        # communication is not stretched by the bubble: the prediction stretches only the
-        # kinds the ledger classifies as inside the step, and a group serving several dims
-        # (the grid's, a pool equal to the tp group) may be classified otherwise
-        compute = rank_flops(costs, w, plan, st) / (hw.tflops * 1e12) / (1 - bubble)
-        xs.append(compute + inside_seconds(w, plan, st, hw))
     if sync_factor is None:
         sync_factor = _sync_factor(plan, micro_count(w, plan))
-    g = sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), sync_factor))
-    return max(max(xs), sum(xs) / len(xs) + g)
+
+    def sync(held, stages_over):
+        return sum(t * f for t, f in zip(sync_seconds(s, held, hw, stages_over), sync_factor))
+    held = [sizes] if plan.pp == 1 else _stage_sizes(_block_bytes(w), stages)
+    xs, worst = [], 0.0
+    for st, own in zip(stages, held):
+        compute = rank_flops(costs, w, plan, st) / (hw.tflops * 1e12)
+        stretched, rest = inside_seconds(w, plan, st, hw)
+        xs.append((compute + stretched) / (1 - bubble) + rest)
+        worst = max(worst, xs[-1] + sync(own, 1))
+    return max(worst, sum(xs) / len(xs) + sync(sizes, plan.pp))
 
 
 def _with_layers(w, plan, memo: dict):
@@ -408,10 +433,8 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
     heap, tick = [], itertools.count()
     sizes = state_bytes(w.build_model())
     for s in structures(base, world, cps, cp_modes):
-        least = min(_bubble(s["pp"], sch, m) for sch, m in pipelines(s["pp"]))
-        factors = _least_factors(_variants(s, zeros, offloads, zeropp, gpus_per_node), 1)
-        bound = compute(s) / (1 - least) + structure_seconds(w, base, s, hw) + \
-            sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), factors))
+        bound = structure_bound(w, base, s, hw, sizes, compute(s),
+                                _variants(s, zeros, offloads, zeropp, gpus_per_node))
         heapq.heappush(heap, (bound * SLACK, next(tick), "structure", (s,)))
     fits, too_big, invalid = [], [], []
     examined = overflow = overflow_groups = 0
