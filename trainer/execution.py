@@ -55,6 +55,8 @@ class Plain:
             rec["model_state_bytes"] = model_state_bytes(tr.model, par.grads(), tr.optimizer)
         if peak is not None:
             rec["peak_mem_bytes"] = peak.peak_bytes
+            if peak.reserved_bytes is not None:
+                rec["peak_mem_reserved_bytes"] = peak.reserved_bytes
         loss, aux = par.mean_over_dp(torch.stack([loss, aux])).tolist()
         skipped = "overflow" if overflow else "diverged" if diverged else False
         return StepResult(loss, aux, stats, norm, skipped, stop)

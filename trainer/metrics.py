@@ -68,7 +68,8 @@ class MetricsLogger:
         """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s,
         tflops (model TFLOP/s per rank; + mfu where a peak is known, trainer/telemetry.py),
         comm_bytes {kind: bytes} (+ val_loss; comm_bytes_inter_node when the ledger knows of
-        several nodes; model_state_bytes on the first step; under fp16
+        several nodes; model_state_bytes on the first step; peak_mem_bytes on the measured
+        steps, log.peak_mem_every, with peak_mem_reserved_bytes on CUDA; under fp16
         loss_scale and skipped)."""
         if not self.enabled:
             return

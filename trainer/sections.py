@@ -67,7 +67,8 @@ class LogConfig:
     moe_stats_every: int = _f(10, "write per-layer expert-load histograms and routing stats every N steps; 0 = never")
     profile_every: int = _f(0, "write an expert-load profile (run.dir/profile/step_N: load.json, load.png, TensorBoard) every N steps; 0 = never")
     profile_batches: int = _f(2, "held-out batches (of train.batch_size sequences) per load profile")
-    peak_mem: bool = _f(True, "measure this rank's peak tensor memory during the second step (the first with optimizer state; metrics peak_mem_bytes; CUDA: max_memory_allocated, CPU: a live-tensor counter, see trainer/memory.py)")
+    peak_mem: bool = _f(True, "measure this rank's peak tensor memory during the second step (the first with optimizer state) and every peak_mem_every-th step (metrics peak_mem_bytes; CUDA: max_memory_allocated, with max_memory_reserved as peak_mem_reserved_bytes; CPU: a live-tensor counter, see trainer/memory.py); false = never")
+    peak_mem_every: int = _f(0, "with log.peak_mem, also measure every N-th step; 0 = auto: every step on CUDA (the allocator's own counters: a synchronize before and after), every 50th on CPU (the live-tensor counter hooks every op: it slows the step it measures, see trainer/memory.py)")
     peak_tflops: float = _f(0.0, "peak dense TFLOP/s of one device, the denominator of metrics mfu; 0 = the data-sheet bf16 peak of a known GPU (A100, H100, H200, B200, MI300X), none elsewhere (no mfu on a CPU)")
     comm_bytes: bool = _f(True, "count the bytes each rank hands to collectives per step, by kind (metrics comm_bytes, TensorBoard comm_bytes/*); false removes its per-op dispatch hook")
 

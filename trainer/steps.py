@@ -20,7 +20,7 @@ from . import checkpoint
 from .config import to_dict
 from .distributed import any_rank
 from .evaluation import held_out
-from .memory import PeakMemory, model_state_bytes
+from .memory import PeakMemory, model_state_bytes, peak_mem_every
 from . import telemetry
 from .stops import Diverged, Preempted
 
@@ -92,10 +92,12 @@ class Trainer:
 
     def peak_memory(self, n: int):
         """A PeakMemory for the step after the first (the first that starts with optimizer
-        state: the steady state) when log.peak_mem, else None: its per-op hook stays off.
-        Its baseline is the parameters and optimizer state held before the step (the
-        step's zero_grad frees the old gradients first)."""
-        if not (self.cfg.log.peak_mem and n == min(self.first_step + 1, self.cfg.train.steps)):
+        state: the steady state) and every log.peak_mem_every-th step when log.peak_mem, else
+        None (on CPU its per-op hook stays off). Its baseline is the parameters and optimizer
+        state held before the step (the step's zero_grad frees the old gradients first)."""
+        every = peak_mem_every(self.cfg.log.peak_mem_every, self.ctx.device)
+        second = n == min(self.first_step + 1, self.cfg.train.steps)
+        if not (self.cfg.log.peak_mem and (second or n % every == 0)):
             return None
         held = model_state_bytes(self.model, [], self.optimizer)
         baseline = sum(held["params"].values()) + sum(held["optimizer"].values())

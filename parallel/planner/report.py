@@ -93,7 +93,8 @@ def text(result: dict, top: int, hw) -> str:
         best = result["fits"][0].rank0()
         kinds = ", ".join(f"{k} {v / MB:.1f}" for k, v in best.comm_bytes.items()) or "none"
         lines.append(f"    #1 rank 0 comm MB/step: {kinds}")
-    lines += ["", "do not fit (smallest peak first):"]
+    lines += ["", "do not fit (smallest peak first):" if result["too_big"] else
+              "do not fit: none predicted (those bounded over memory are counted above)"]
     for p in result["too_big"][:top]:
         lines.append(f"    {layout_name(p.plan):<44} {p.reason}")
     if len(result["too_big"]) > top:

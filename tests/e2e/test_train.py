@@ -66,9 +66,13 @@ def resume_after_step3(run_dir, args, tmp, ref, rel, nproc=1):
 def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=6", "checkpoint.every=3"]
     one, two = tmp_path / "one", tmp_path / "two"
-    train(common + [f"run.dir={one}"], tmp_path)
+    train(common + [f"run.dir={one}", "log.peak_mem_every=4"], tmp_path)
     recs = records(one)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    # peak memory on the second step and every 4th; the reserved peak is CUDA's alone
+    assert [r["step"] for r in recs if "peak_mem_bytes" in r] == [2, 4]
+    assert all(r["peak_mem_bytes"] > 0 and "peak_mem_reserved_bytes" not in r
+               for r in recs if "peak_mem_bytes" in r)
     for key in ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
         assert all(isinstance(r[key], float) for r in recs), key
     assert all(r["aux_loss"] > 0 for r in recs)  # the MoE aux loss is part of the objective
@@ -80,6 +84,8 @@ def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     # mfu = tflops / peak
     train(common + [f"run.dir={two}", "parallel.dp=2", "log.peak_tflops=0.25"], tmp_path, nproc=2)
     assert all(abs(r["mfu"] - r["tflops"] / 0.25) < 1e-12 for r in records(two))
+    # the CPU default (log.peak_mem_every=0: every 50th) measures only the second of 6 steps
+    assert [r["step"] for r in records(two) if "peak_mem_bytes" in r] == [2]
     ref = losses(one)
     for step, loss in losses(two).items():
         assert close(loss, ref[step], 1e-4), (step, loss, ref[step])

@@ -1,5 +1,6 @@
 """train.py on one GPU: the default config on run.device=cuda for 20 steps in bf16 and fp16
-(loss finite and falling), and ZeRO-3 with offload=optimizer on pinned host buffers."""
+(loss finite and falling; peak memory, reserved peak and TFLOP/s on every step), and ZeRO-3
+with offload=optimizer on pinned host buffers."""
 import json
 import os
 import subprocess
@@ -36,6 +37,12 @@ def test_default_config_on_cuda(precision, tmp_path):
     losses = _losses(run)
     assert len(losses) == 20 and all(l == l and l < 10 for l in losses), losses
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+    # CUDA telemetry: peak memory on every step, the allocator's reserved peak beside it,
+    # and mfu (torch names a GPU the data-sheet table knows, or log.peak_tflops is needed)
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "step" in r]
+    assert all(0 < r["peak_mem_bytes"] <= r["peak_mem_reserved_bytes"] for r in steps), steps[:2]
+    assert all(r["tflops"] > 0 for r in steps)
 
 
 def test_zero3_offload_on_cuda_uses_pinned_host_buffers(tmp_path):
