@@ -279,6 +279,7 @@ def _check_own(cfg: Config) -> None:
     _require(lg.moe_stats_every >= 0, f"log.moe_stats_every={lg.moe_stats_every} must be >= 0")
     _require(lg.profile_every >= 0, f"log.profile_every={lg.profile_every} must be >= 0")
     _require(lg.peak_mem_every >= 0, f"log.peak_mem_every={lg.peak_mem_every} must be >= 0 (0 = auto)")
+    _require(lg.plan_check in ("auto", "on", "off"), f"log.plan_check={lg.plan_check!r} must be auto, on or off")
     _require(lg.profile_batches >= 1, f"log.profile_batches={lg.profile_batches} must be >= 1")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = only at the end)")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")

@@ -24,6 +24,7 @@ from .config import ConfigError, to_toml, validate
 from .distributed import barrier, init_distributed, shutdown
 from .execution import execution_for
 from .metrics import MetricsLogger
+from .plan_check import PlanCheck, enabled as plan_check_enabled
 from .model import build_model, init_fn, task_arch
 from .run_dir import AUTO, clear_run, prepare_run, remove_unused_auto_dir
 from .steps import Trainer
@@ -157,7 +158,10 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     if ctx.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
+    check = PlanCheck(run_dir, ctx.world_size, plan.dp, ctx.device) \
+        if ctx.is_main and plan_check_enabled(cfg.log.plan_check, ctx.device) else None
     with StopRequest() as stop_request, contextlib.closing(log), \
+            contextlib.closing(check) if check else contextlib.nullcontext(), \
             _parameter_server(cfg, ctx, plan, par, optimizer, start + 1) as ps:
         _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
@@ -165,7 +169,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
                                par.split_sequence if plan.cp > 1 else None),
                           execution_for(par, ps), first_step=start + 1, stop_request=stop_request,
-                          step_flops=flops)
+                          step_flops=flops, plan_check=check)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)
     return 0

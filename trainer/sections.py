@@ -70,6 +70,7 @@ class LogConfig:
     peak_mem: bool = _f(True, "measure this rank's peak tensor memory during the second step (the first with optimizer state) and every peak_mem_every-th step (metrics peak_mem_bytes; CUDA: max_memory_allocated, with max_memory_reserved as peak_mem_reserved_bytes; CPU: a live-tensor counter, see trainer/memory.py); false = never")
     peak_mem_every: int = _f(0, "with log.peak_mem, also measure every N-th step; 0 = auto: every step on CUDA (the allocator's own counters: a synchronize before and after), every 50th on CPU (the live-tensor counter hooks every op: it slows the step it measures, see trainer/memory.py)")
     peak_tflops: float = _f(0.0, "peak dense TFLOP/s of one device, the denominator of metrics mfu; 0 = the data-sheet bf16 peak of a known GPU (A100, H100, H200, B200, MI300X), none elsewhere (no mfu on a CPU)")
+    plan_check: str = _f("auto", "after warm-up, print the layout planner's prediction for this run's layout beside the measured peak memory and step time (rank 0; the planner runs in a subprocess beside the first steps; trainer/plan_check.py): on | off | auto (on for GPUs with a planner preset: A100, H100, H200, B200, MI300X; a CPU has no step-time model)")
     comm_bytes: bool = _f(True, "count the bytes each rank hands to collectives per step, by kind (metrics comm_bytes, TensorBoard comm_bytes/*); false removes its per-op dispatch hook")
 
 

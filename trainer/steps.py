@@ -29,7 +29,8 @@ class Trainer:
     """Everything one optimizer step needs; `step(n)` runs step n (1-based)."""
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
-                 execution, first_step: int, stop_request=None, *, step_flops: float):
+                 execution, first_step: int, stop_request=None, *, step_flops: float,
+                 plan_check=None):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
@@ -43,6 +44,7 @@ class Trainer:
         # model) and the device's peak (None: no mfu)
         self.step_flops = step_flops
         self.peak_tflops = telemetry.device_peak_tflops(cfg.log.peak_tflops, ctx.device)
+        self.plan_check = plan_check  # plan_check.PlanCheck on rank 0 (log.plan_check), or None
 
     @property
     def rows_per_rank(self) -> int:
@@ -74,6 +76,11 @@ class Trainer:
                 and not self.in_a_row:
             rec["val_loss"] = self.evaluate(n)
         self.log.log_step(rec)
+        if self.plan_check is not None:
+            self.plan_check.observe(rec)
+            line = self.plan_check.due_line(n, self.first_step, self.cfg.train.steps)
+            if line:
+                self.log.info(line)
         if self.in_a_row:
             self._stop_if_diverged(n)
         self._after_step(n, r.stats, r.stop)

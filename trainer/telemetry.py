@@ -29,19 +29,31 @@ _GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b2
               ("MI300X", "mi300x"))
 
 
+def preset_for_name(device_name: str):
+    """The hardware.py preset of a GPU named `device_name` (h100, ...), or None."""
+    return next((preset for key, preset in _GPU_NAMES if key in device_name.upper()), None)
+
+
+def preset_for_device(device: torch.device):
+    """The preset of this run's device: a known GPU's, else None (a CPU, another GPU)."""
+    if device.type != "cuda":
+        return None
+    return preset_for_name(torch.cuda.get_device_name(device))
+
+
 def peak_for_name(device_name: str):
     """The data-sheet dense bf16 peak TFLOP/s of a GPU named `device_name`, or None."""
     from parallel.planner.hardware import DATA_SHEETS
-    for key, preset in _GPU_NAMES:
-        if key in device_name.upper():
-            return DATA_SHEETS[preset][0]
-    return None
+    preset = preset_for_name(device_name)
+    return DATA_SHEETS[preset][0] if preset else None
 
 
 def device_peak_tflops(configured: float, device: torch.device):
     """log.peak_tflops if set (> 0), else a known GPU's peak, else None (no mfu)."""
     if configured > 0:
         return float(configured)
-    if device.type == "cuda":
-        return peak_for_name(torch.cuda.get_device_name(device))
+    preset = preset_for_device(device)
+    if preset:
+        from parallel.planner.hardware import DATA_SHEETS
+        return DATA_SHEETS[preset][0]
     return None

@@ -82,8 +82,16 @@ def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
 
     # the same global batch on 2 data-parallel processes: the same losses; with a peak set,
     # mfu = tflops / peak
-    train(common + [f"run.dir={two}", "parallel.dp=2", "log.peak_tflops=0.25"], tmp_path, nproc=2)
+    out = train(common + [f"run.dir={two}", "parallel.dp=2", "log.peak_tflops=0.25",
+                          "log.plan_check=on"], tmp_path, nproc=2)
     assert all(abs(r["mfu"] - r["tflops"] / 0.25) < 1e-12 for r in records(two))
+    # the planner's prediction for this layout beside the measurement (no step-time model on
+    # a CPU); its peak within the band tests/e2e/test_planner_validation.py holds it to
+    check = json.loads((two / "planner_check.json").read_text())
+    assert "planner check (rank 0's stage, dp2 " in out.stdout + out.stderr
+    assert check["measured_peak_step"] == 2
+    assert abs(check["predicted_peak_bytes"] / check["measured_peak_bytes"] - 1) < 0.2, check
+    assert check["preset"] is None and "predicted_step_s" not in check
     # the CPU default (log.peak_mem_every=0: every 50th) measures only the second of 6 steps
     assert [r["step"] for r in records(two) if "peak_mem_bytes" in r] == [2]
     ref = losses(one)

@@ -43,6 +43,12 @@ def test_default_config_on_cuda(precision, tmp_path):
     steps = [r for r in rows if "loss" in r and "step" in r]
     assert all(0 < r["peak_mem_bytes"] <= r["peak_mem_reserved_bytes"] for r in steps), steps[:2]
     assert all(r["tflops"] > 0 for r in steps)
+    # log.plan_check=auto runs on a GPU the presets know: the planner's step-time bounds for
+    # this layout beside the measured step
+    check = json.loads((run / "planner_check.json").read_text())
+    assert check["preset"] in ("h100", "h200") and 0 < check["predicted_step_s_min"] <= check["predicted_step_s"]
+    assert check["measured_step_s"] > 0 and check["predicted_peak_bytes"] > 0
+    print(precision, check)
 
 
 def test_zero3_offload_on_cuda_uses_pinned_host_buffers(tmp_path):

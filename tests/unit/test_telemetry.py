@@ -33,3 +33,13 @@ def test_the_peak_behind_mfu():
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_for_name("AMD Instinct MI300X") == 1307.0
     assert peak_for_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_plan_check_runs_where_asked_or_where_a_preset_models_the_step():
+    from trainer.plan_check import enabled
+    from trainer.telemetry import preset_for_name
+    assert preset_for_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert preset_for_name("NVIDIA GeForce RTX 4090") is None
+    cpu = torch.device("cpu")
+    assert not enabled("auto", cpu)   # no step-time model for a CPU: off unless asked
+    assert enabled("on", cpu) and not enabled("off", cpu)
