@@ -202,7 +202,9 @@ class MoELayer(nn.Module):
         micro-batch)."""
         self.balance.reset_window()
 
-    def forward(self, x: torch.Tensor, token_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask=None, expert_ids=None) -> torch.Tensor:
+        """x [..., D] -> [..., D]. expert_ids (long [..., K], x's leading shape): router replay,
+        route each token to these experts instead of the router's top-k (Router.forward)."""
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects input of shape [..., d_model={self.d_model}], "
                              f"got {tuple(x.shape)}")
@@ -213,7 +215,7 @@ class MoELayer(nn.Module):
         x_GSD = x.reshape(-1, S, D)
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with record_function("moe.router"):
-            routing = self.router(x_GSD, cf)
+            routing = self.router(x_GSD, cf, expert_ids)
             losses = {}
             if routing.probs_GSE is not None:  # token choice (expert choice is balanced)
                 mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)

@@ -70,15 +70,23 @@ class Router(nn.Module):
         c = self.config
         return scores_from_logits(logits_TE.to(c.score_dtype or logits_TE.dtype), c.score_func)
 
-    def forward(self, x_GSD: torch.Tensor, capacity_factor) -> Routing:
+    def forward(self, x_GSD: torch.Tensor, capacity_factor, replay_ids=None) -> Routing:
+        """replay_ids (long [G, S, K] or [G*S, K], None: choose): router replay -- these experts
+        are used instead of the top-k; the gates are the current scores at them (renormalised
+        and scaled as configured), so the router keeps its gradient. Capacity applies to the
+        replayed assignments as to chosen ones (moe/capacity.py: in token order); the balance
+        loss and routed counts see the replayed choices with the current probabilities."""
         G, S, D = x_GSD.shape
         logits_GSE = self.logits(x_GSD.reshape(G * S, D)).reshape(G, S, self.num_experts)
         scores_GSE = self.scores(logits_GSE)
         z_loss = router_z_loss(logits_GSE)
         if self.config.kind == "expert_choice":
+            if replay_ids is not None:
+                raise ValueError("router replay needs token-choice routing (moe.router="
+                                 "expert_choice picks tokens per expert, not experts per token)")
             routing = self._expert_choice(scores_GSE, capacity_factor, z_loss)
         else:
-            routing = self._token_choice(scores_GSE, capacity_factor, z_loss)
+            routing = self._token_choice(scores_GSE, capacity_factor, z_loss, replay_ids)
         if self.training:
             self.pending_load += routing.routed_E.to(self.pending_load.dtype)
         return routing
@@ -92,14 +100,20 @@ class Router(nn.Module):
             return None
         return expert_capacity(capacity_factor, S, c.top_k, c.num_experts)
 
-    def _token_choice(self, scores_GSE, capacity_factor, z_loss) -> Routing:
+    def _token_choice(self, scores_GSE, capacity_factor, z_loss, replay_ids=None) -> Routing:
         c = self.config
         G, S, E = scores_GSE.shape
         K, T = c.top_k, G * S
         scores_TE = scores_GSE.reshape(T, E)
-        ids_TK = select_experts(scores_TE, self.selection_bias, K, c.n_group, c.topk_group)
+        if replay_ids is None:
+            ids_TK = select_experts(scores_TE, self.selection_bias, K, c.n_group, c.topk_group)
+        else:
+            ids_TK = replayed_ids(replay_ids, T, K, E, scores_GSE.device)
         gates_TK = gates_for(scores_TE, ids_TK, c.norm_topk_prob, c.routed_scaling_factor)
         if c.force_balance:  # benchmarking: same gates, experts dealt round-robin
+            if replay_ids is not None:
+                raise ValueError("router replay with moe.force_balance=true: the forced "
+                                 "round-robin would override the replayed experts; set one")
             ids_TK = forced_balanced_ids(T, K, E, scores_GSE.device)
         ids_GSK = ids_TK.reshape(G, S, K)
         slot_A = torch.arange(T * K, device=scores_GSE.device)
@@ -164,3 +178,15 @@ def _entropy(probs_GSE: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         p = probs_GSE.float()
         return -(p * torch.log(p.clamp_min(1e-20))).sum(-1).mean()
+
+
+def replayed_ids(ids, T: int, K: int, E: int, device) -> torch.Tensor:
+    """Recorded expert ids as long [T, K] on `device`, or ValueError naming what is wrong."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() != T * K or ids.shape[-1] != K:
+        raise ValueError(f"router replay: expert ids of shape {tuple(ids.shape)} do not match "
+                         f"{T} tokens x top_k={K}; record them from the same tokens and moe.top_k")
+    if ids.is_floating_point() or (ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < E):
+        raise ValueError(f"router replay: expert ids must be integers in [0, {E}) "
+                         f"(moe.num_experts={E}); these were recorded for another model")
+    return ids.reshape(T, K).to(device=device, dtype=torch.long)
