@@ -84,16 +84,16 @@ class PlanCheck:
         return self._compare(json.loads(out)["layout"], first)
 
     def _compare(self, pred: dict, first: int) -> str:
-        stage, self.peak = pred["ranks"][0], self._peak(first)
+        stage, peak = pred["ranks"][0], self._peak(first)
         measured = {s: t for s, t in self.step_times.items() if s > first}  # the first warms up
         out = {"layout": pred["name"], "predicted_peak_bytes": stage["memory_bytes"]["peak"],
-               "measured_peak_bytes": self.peak[1] if self.peak else None,
-               "measured_peak_step": self.peak[0] if self.peak else None,
+               "measured_peak_bytes": peak[1] if peak else None,
+               "measured_peak_step": peak[0] if peak else None,
                "measured_step_s": statistics.median(measured.values()) if measured else None,
                "preset": self.preset}
         line = f"planner check (rank 0's stage, {pred['name']}): peak memory " \
                f"{out['predicted_peak_bytes'] / 1e6:.1f} MB predicted"
-        line += f", {self.peak[1] / 1e6:.1f} MB measured (step {self.peak[0]})" if self.peak else \
+        line += f", {peak[1] / 1e6:.1f} MB measured (step {peak[0]})" if peak else \
             " (not measured: log.peak_mem=false)"
         if self.preset:
             out.update(predicted_step_s_min=pred["step_s_min"], predicted_step_s=pred["step_s"])

@@ -41,19 +41,19 @@ def preset_for_device(device: torch.device):
     return preset_for_name(torch.cuda.get_device_name(device))
 
 
+def _peak_of(preset):
+    """The data-sheet dense bf16 peak TFLOP/s of a hardware.py preset, or None (no preset)."""
+    from parallel.planner.hardware import DATA_SHEETS
+    return DATA_SHEETS[preset][0] if preset else None
+
+
 def peak_for_name(device_name: str):
     """The data-sheet dense bf16 peak TFLOP/s of a GPU named `device_name`, or None."""
-    from parallel.planner.hardware import DATA_SHEETS
-    preset = preset_for_name(device_name)
-    return DATA_SHEETS[preset][0] if preset else None
+    return _peak_of(preset_for_name(device_name))
 
 
 def device_peak_tflops(configured: float, device: torch.device):
     """log.peak_tflops if set (> 0), else a known GPU's peak, else None (no mfu)."""
     if configured > 0:
         return float(configured)
-    preset = preset_for_device(device)
-    if preset:
-        from parallel.planner.hardware import DATA_SHEETS
-        return DATA_SHEETS[preset][0]
-    return None
+    return _peak_of(preset_for_device(device))

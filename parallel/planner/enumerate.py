@@ -39,14 +39,19 @@ def candidates(base, world: int, zeros=(0, 1, 2, 3), recomputes=("none", "full")
                cp_modes=CP_MODES) -> list:
     out = []
     for s in structures(base, world, cps, cp_modes):
-        for zero in zeros:
-            for family in _zero_family(zero, s["dp"], s["tp"], offloads, zeropp, gpus_per_node):
-                for rc in recomputes:
-                    for sched, mb in pipelines(s["pp"]):
-                        out.append(dataclasses.replace(
-                            base, **s, zero=zero, recompute=rc, pp_schedule=sched,
-                            microbatches=mb, pp_stages_per_rank=0, **family))
+        for v in variants(s, zeros, offloads, zeropp, gpus_per_node):
+            for rc in recomputes:
+                for sched, mb in pipelines(s["pp"]):
+                    out.append(dataclasses.replace(base, **s, **v, recompute=rc, pp_schedule=sched,
+                                                   microbatches=mb, pp_stages_per_rank=0))
     return out
+
+
+def variants(s: dict, zeros, offloads, zeropp, gpus_per_node: int) -> list:
+    """The ZeRO / offload / ZeRO++ settings of structure s, as field dicts, zero by zero
+    (_zero_family's at each): what candidates and the search's groups expand into."""
+    return [dict(zero=z, **f) for z in zeros
+            for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
 
 
 def structures(base, world: int, cps, cp_modes) -> list:

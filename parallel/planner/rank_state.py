@@ -103,7 +103,7 @@ def with_cp(state: RankState, cp: int) -> RankState:
     """The state of the same rank when its stage's dp x cp replicas split into `cp` sequence
     parts instead: every tensor, bucket and unit is the same (they see the replicas, dp x cp,
     as one group: mesh.py's dense "dp" dim), only the cp group differs, a process group of
-    its own (tests/unit/test_planner_state.py reads both and compares)."""
+    its own (tests/unit/test_planner.py reads both and compares)."""
     if state.groups.get("cp", (None, 1))[1] == cp or not state.groups:
         return state
     groups = {d: g for d, g in state.groups.items() if d != "cp"}

@@ -47,7 +47,7 @@ import heapq
 import itertools
 
 from ..pipeline.schedules import MULTI_STAGE_SCHEDULES, bubble_fraction
-from .enumerate import _zero_family, pipelines, rejection, structures, with_default_layers
+from .enumerate import pipelines, rejection, structures, variants, with_default_layers
 from .flops import model_flops
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
@@ -75,11 +75,11 @@ def structure_seconds(w, base, s: dict, hw) -> tuple:
     return tuple(t / s["pp"] for t in inside_seconds(w, plan, whole, hw, pipeline=False))
 
 
-def structure_bound(w, base, s: dict, hw, sizes, compute_s: float, variants) -> float:
-    """The bound of the module docstring for structure s: compute_s = C, variants: its ZeRO
-    variants (_variants), sizes: state_bytes of the whole model."""
+def structure_bound(w, base, s: dict, hw, sizes, compute_s: float, zero_variants) -> float:
+    """The bound of the module docstring for structure s: compute_s = C, zero_variants: its
+    ZeRO variants (enumerate.variants), sizes: state_bytes of the whole model."""
     least = min(_bubble(s["pp"], sch, m) for sch, m in pipelines(s["pp"]))
-    factors = _least_factors(variants, 1)
+    factors = _least_factors(zero_variants, 1)
     stretched, rest = structure_seconds(w, base, s, hw)
     return (compute_s + stretched) / (1 - least) + rest + \
         sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), factors))
@@ -317,9 +317,9 @@ def _sync_factor(plan, m: int) -> tuple:
     return gathers + scatter, gathers * (1 if plan.zeropp_hpz else 2) + scatter
 
 
-def _least_factors(variants, m: int) -> tuple:
+def _least_factors(zero_variants, m: int) -> tuple:
     """(dense, expert): each side's least _sync_factor over the ZeRO variants (field dicts)."""
-    factors = [_sync_factor(_Variant(**v), m) for v in variants]
+    factors = [_sync_factor(_Variant(**v), m) for v in zero_variants]
     return tuple(min(f[k] for f in factors) for k in (0, 1))
 
 
@@ -368,13 +368,6 @@ def _with_layers(w, plan, memo: dict):
     return dataclasses.replace(plan, pp_layers=memo[key])
 
 
-def _variants(s, zeros, offloads, zeropp, gpus_per_node) -> list:
-    """The ZeRO / offload / ZeRO++ variants of every group of structure s, as field dicts
-    (a plan per variant is built only when the variant itself is examined)."""
-    return [dict(zero=z, **f) for z in zeros
-            for f in _zero_family(z, s["dp"], s["tp"], offloads, zeropp, gpus_per_node)]
-
-
 def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloads, zeropp,
             gpus_per_node) -> list:
     """[(bound, (s, schedule, m, stages)) or None (even its leanest layout overflows)] of a
@@ -383,8 +376,8 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
     the deepest offload, recomputation)."""
     from .comm import micro_count
     out = []
-    variants = _variants(s, zeros, offloads, zeropp, gpus_per_node)
-    lean = min(variants, key=lambda v: (-v["zero"], -OFFLOAD_DEPTH.index(v["offload"])))
+    zero_variants = variants(s, zeros, offloads, zeropp, gpus_per_node)
+    lean = min(zero_variants, key=lambda v: (-v["zero"], -OFFLOAD_DEPTH.index(v["offload"])))
     for sch, m in pipelines(s["pp"]):
         plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
                                    zero=max(zeros), recompute="none")
@@ -392,19 +385,19 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
         try:
             plan = _with_layers(w, plan, memo)
         except ValueError as e:
-            out.append(("refused", plan, rejection(e), len(variants) * len(recomputes)))
+            out.append(("refused", plan, rejection(e), len(zero_variants) * len(recomputes)))
             continue
-        plain = dataclasses.replace(plan, **variants[0])
+        plain = dataclasses.replace(plan, **zero_variants[0])
         try:
             w.validate(plain, world)
         except ValueError as e:
             reason = rejection(e)
             if not any(f in reason for f in _VARIANT_FIELDS):  # the structure itself is refused
-                out.append(("refused", plain, reason, len(variants) * len(recomputes)))
+                out.append(("refused", plain, reason, len(zero_variants) * len(recomputes)))
                 continue
         stages = _stage_blocks(w, plan)
         mc = micro_count(w, plan)
-        least = _least_factors(variants, mc)
+        least = _least_factors(zero_variants, mc)
         leanest = dataclasses.replace(plan, **lean, recompute="full" if "full" in recomputes else "none")
         if memory_bound(w, leanest, sizes) > hw.gpu_mem_bytes:
             out.append(None)
@@ -434,7 +427,7 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
     sizes = state_bytes(w.build_model())
     for s in structures(base, world, cps, cp_modes):
         bound = structure_bound(w, base, s, hw, sizes, compute(s),
-                                _variants(s, zeros, offloads, zeropp, gpus_per_node))
+                                variants(s, zeros, offloads, zeropp, gpus_per_node))
         heapq.heappush(heap, (bound * SLACK, next(tick), "structure", (s,)))
     fits, too_big, invalid = [], [], []
     examined = overflow = overflow_groups = 0
@@ -462,21 +455,20 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
             continue
         if kind == "group":  # its layouts join the heap, each at its own bound
             s, sch, m, stages = item
-            for zero in zeros:
-                for family in _zero_family(zero, s["dp"], s["tp"], offloads, zeropp, gpus_per_node):
-                    for rc in recomputes:
-                        plan = dataclasses.replace(base, **s, zero=zero, recompute=rc, pp_schedule=sch,
-                                                   microbatches=m, pp_stages_per_rank=0, **family)
-                        plan = with_default_layers(plan, n_layers)
-                        examined += 1
-                        try:
-                            plan = _with_layers(w, plan, memo)
-                        except ValueError as e:
-                            invalid.append((plan, rejection(e)))
-                            refused_counts[rejection(e)] += 1
-                            continue
-                        bound = variant_bound(w, plan, costs, hw, sizes, stages) * SLACK
-                        heapq.heappush(heap, (bound, next(tick), "layout", plan))
+            for v in variants(s, zeros, offloads, zeropp, gpus_per_node):
+                for rc in recomputes:
+                    plan = dataclasses.replace(base, **s, **v, recompute=rc, pp_schedule=sch,
+                                               microbatches=m, pp_stages_per_rank=0)
+                    plan = with_default_layers(plan, n_layers)
+                    examined += 1
+                    try:
+                        plan = _with_layers(w, plan, memo)
+                    except ValueError as e:
+                        invalid.append((plan, rejection(e)))
+                        refused_counts[rejection(e)] += 1
+                        continue
+                    bound = variant_bound(w, plan, costs, hw, sizes, stages) * SLACK
+                    heapq.heappush(heap, (bound, next(tick), "layout", plan))
             continue
         plan = item
         try:

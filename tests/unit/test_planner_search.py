@@ -12,7 +12,8 @@ from parallel.planner import StateCache, preset
 from parallel.planner.flops import model_costs
 from parallel.planner.report import layout_name, plan_all
 from parallel.planner.flops import model_flops
-from parallel.planner.search import (_stage_blocks, _variants, memory_bound, search, state_bytes,
+from parallel.planner.enumerate import variants
+from parallel.planner.search import (_stage_blocks, memory_bound, search, state_bytes,
                                      structure_bound, variant_bound)
 from trainer.config import load_config
 from trainer.planning import workload_from_config
@@ -50,8 +51,8 @@ def test_search_top_list_equals_the_exhaustive_one(gshard, world):
         assert memory_bound(w, p.plan, sizes) <= p.peak_bytes * (1 + 1e-9), layout_name(p.plan)
         s = {k: getattr(p.plan, k) for k in ("dp", "tp", "tp_mode", "tp_depth", "pp", "cp", "cp_mode", "ep", "etp")}
         compute_s = model_flops(costs, w, w.imbalance if s["ep"] > 1 else 1.0) / (hw.tflops * 1e12) / world
-        variants = _variants(s, KW["zeros"], KW["offloads"], KW["zeropp"], 8)
-        assert structure_bound(w, cfg.parallel, s, hw, sizes, compute_s, variants) <= \
+        zero_variants = variants(s, KW["zeros"], KW["offloads"], KW["zeropp"], 8)
+        assert structure_bound(w, cfg.parallel, s, hw, sizes, compute_s, zero_variants) <= \
             p.step_s * (1 + 1e-9), layout_name(p.plan)
 
 
