@@ -207,6 +207,7 @@ class MoEConfig:
     experts_impl: str = _help("auto", "expert matmuls: 'loop' (per-expert fused loop), 'grouped_mm' (torch._grouped_mm) or 'auto' (measured-faster per device/dtype)")
     force_balance: bool = _help(False, "BENCHMARKING ONLY: ignore the router's expert choice and spread assignments evenly (gates kept)")
     a2a_overlap_degree: int = _help(1, "under expert parallelism: cut each MoE layer's all-to-all into this many chunks, chunk c+1's exchange flying while the experts compute chunk c (same function); 1 = off, needs parallel.ep > 1")
+    router_replay: str = _help("", "router replay (train.py): a routing record written by `python -m trainer.generate --record-routing FILE`; training runs on its sequences and every MoE layer sends each token to the recorded experts (gates from the current router); '' = off")
     replica_slots: int = _help(0, "hot-expert replication under expert parallelism: extra expert slots per ep rank for replicas of the step's hottest experts (same function, rows per rank nearer the mean); 0 = off, needs parallel.ep > 1")
 
     def __post_init__(self):

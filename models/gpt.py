@@ -25,8 +25,11 @@ class Block(nn.Module):
         self.ffn = make_ffn(m, moe_cfg, idx, out_std, m.bias)
         self.drop = nn.Dropout(m.dropout)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), causal=True))
+    def forward(self, x_BSD: torch.Tensor, cache=None) -> torch.Tensor:
+        """cache: this block's models/kv_cache.LayerKV (inference), or None."""
+        h_BSD = self.attn_norm(x_BSD)
+        a_BSD = self.attn(h_BSD, causal=True) if cache is None else self.attn(h_BSD, cache=cache)
+        x_BSD = x_BSD + self.drop(a_BSD)
         return x_BSD + self.drop(self.ffn(self.ffn_norm(x_BSD)))
 
 
@@ -44,27 +47,37 @@ class GPT(nn.Module):
         if m.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> logits [B, S, V] (or hidden states on a pipeline stage)."""
+    def forward(self, input_ids_BS: torch.Tensor, cache=None) -> torch.Tensor:
+        """Token ids [B, S] -> logits [B, S, V] (or hidden states on a pipeline stage).
+
+        cache (inference, models/kv_cache.KVCache from new_cache): the ids continue the cached
+        positions; their keys and values are appended to it."""
         h_BSD = input_ids_BS
         if self.tok_emb is not None:
-            h_BSD = self.embed(input_ids_BS)
-        for block in self.blocks:
-            h_BSD = block(h_BSD)
+            # context parallelism replaces embed with a one-argument function (no cache there)
+            h_BSD = self.embed(input_ids_BS) if cache is None else self.embed(input_ids_BS, cache.length)
+        for i, block in enumerate(self.blocks):
+            h_BSD = block(h_BSD) if cache is None else block(h_BSD, cache.layers[i])
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
         if self.lm_head is not None:
             h_BSD = self.lm_head(h_BSD)
         return h_BSD
 
-    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+    def new_cache(self):
+        """An empty KV cache for forward(..., cache=)."""
+        from .kv_cache import KVCache
+        return KVCache(len(self.blocks))
+
+    def embed(self, input_ids_BS: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token (and learned position) embeddings of ids at positions [start, start + S)."""
         if input_ids_BS.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"GPT expects integer token ids [B, S], got dtype {input_ids_BS.dtype}")
         S = input_ids_BS.shape[-1]
-        if S > self.model_cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds model.max_seq_len="
+        if start + S > self.model_cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len="
                              f"{self.model_cfg.max_seq_len}; raise model.max_seq_len or shorten the data")
         x_BSD = self.tok_emb(input_ids_BS)
         if self.pos_emb is not None:
-            x_BSD = x_BSD + self.pos_emb(torch.arange(S, device=input_ids_BS.device))
+            x_BSD = x_BSD + self.pos_emb(torch.arange(start, start + S, device=input_ids_BS.device))
         return self.drop(x_BSD)

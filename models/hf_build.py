@@ -62,4 +62,4 @@ def moe_section_conflicts(moe_cfg, model_cfg) -> list:
     default = type(moe_cfg)()
     default.validate(model_cfg)
     return [f.name for f in dataclasses.fields(moe_cfg)
-            if getattr(moe_cfg, f.name) != getattr(default, f.name)]
+            if f.name != "router_replay" and getattr(moe_cfg, f.name) != getattr(default, f.name)]

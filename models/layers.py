@@ -94,24 +94,33 @@ class Attention(nn.Module):
         B, S, _ = x_BSD.shape
         return x_BSD.view(B, S, -1, width or self.head_dim).transpose(1, 2)
 
-    def qkv(self, x_BSD, kv_BLD=None, cos_SH=None, sin_SH=None) -> tuple:
-        """Query, key and value heads [B, H, S or L, Dh], keys/values repeated to every query
-        head, rotary applied with the given tables (None: none)."""
+    def qkv(self, x_BSD, kv_BLD=None, cos_SH=None, sin_SH=None, repeat: bool = True) -> tuple:
+        """Query, key and value heads [B, H, S or L, Dh], rotary applied with the given tables
+        (None: none); keys/values repeated to every query head (repeat=False: one per kv head,
+        what a KV cache keeps)."""
         kv_BLD = x_BSD if kv_BLD is None else kv_BLD
         q, k, v = self._heads(self.wq(x_BSD)), self._heads(self.wk(kv_BLD)), self._heads(self.wv(kv_BLD))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_SH is not None:
             q, k = apply_rope(q, cos_SH, sin_SH), apply_rope(k, cos_SH, sin_SH)
+        return (q, *self.repeat_kv(k, v)) if repeat else (q, k, v)
+
+    def repeat_kv(self, k, v) -> tuple:
+        """Key/value heads repeated to every query head (grouped-query attention)."""
         if self.groups > 1:
             k, v = k.repeat_interleave(self.groups, 1), v.repeat_interleave(self.groups, 1)
-        return q, k, v
+        return k, v
 
     def out(self, o_BHSD: torch.Tensor) -> torch.Tensor:
         B, _, S, _ = o_BHSD.shape
         return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
 
-    def forward(self, x_BSD, kv_BLD=None, bias_1HSL=None, causal: bool = False):
+    def forward(self, x_BSD, kv_BLD=None, bias_1HSL=None, causal: bool = False, cache=None):
+        """cache (models/kv_cache.LayerKV, inference): x holds the tokens after the cached ones;
+        their keys and values join the cache and the queries attend to all of it."""
+        if cache is not None:
+            return self._cached(x_BSD, cache)
         cos = sin = None
         if self.rope_theta is not None:
             cos, sin = rope_cos_sin(x_BSD.shape[1], self.rope_dim, self.rope_theta, x_BSD.device)
@@ -127,6 +136,21 @@ class Attention(nn.Module):
         o_BHSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                 is_causal=causal and mask is None)
         return self.out(o_BHSD)
+
+    def _cached(self, x_BSD, cache):
+        """Causal self-attention of S new tokens at positions [P, P+S) after P cached ones."""
+        P, S = cache.length, x_BSD.shape[1]
+        cos = sin = None
+        if self.rope_theta is not None:
+            cos, sin = rope_cos_sin(P + S, self.rope_dim, self.rope_theta, x_BSD.device)
+            cos, sin = cos[P:], sin[P:]
+        q, k, v = self.qkv(x_BSD, None, cos, sin, repeat=False)
+        k, v = self.repeat_kv(*cache.extend(k, v))
+        mask_SL = None
+        if S > 1:  # new query i sees keys [0, P + i]
+            L = P + S
+            mask_SL = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(P)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SL))
 
 
 class LatentAttention(Attention):
@@ -159,7 +183,7 @@ class LatentAttention(Attention):
         self.wkv_b = Linear(m.kv_lora_rank, H * (self.head_dim + self.v_dim), False, init_std)
         self.wo = Linear(H * self.v_dim, D, False, out_init_std)
 
-    def qkv(self, x_BSD, kv_BLD=None, cos_SH=None, sin_SH=None) -> tuple:
+    def qkv(self, x_BSD, kv_BLD=None, cos_SH=None, sin_SH=None, repeat: bool = True) -> tuple:
         if kv_BLD is not None:
             raise ValueError("model.attention='mla' is self-attention only")
         N, R = self.head_dim, self.rope_dim

@@ -153,10 +153,14 @@ class Switch(nn.Module):
             y_BTD = block(y_BTD, bias, enc_BSD, enc_mask)
         return dec.drop(dec.norm(y_BTD))
 
+    def decode_logits(self, decoder_input_ids_BT, enc_BSD, attention_mask_BS=None):
+        """Logits [B, T, V] of the target ids given encode's states."""
+        return self.lm_head(self.decode(decoder_input_ids_BT, enc_BSD, attention_mask_BS))
+
     def forward(self, input_ids_BS, decoder_input_ids_BT, attention_mask_BS=None):
         """Encoder ids [B, S], decoder ids [B, T] (labels shifted right) -> logits [B, T, V].
 
         attention_mask_BS (optional, 1 = real token) hides encoder padding from attention.
         """
         enc_BSD = self.encode(input_ids_BS, attention_mask_BS)
-        return self.lm_head(self.decode(decoder_input_ids_BT, enc_BSD, attention_mask_BS))
+        return self.decode_logits(decoder_input_ids_BT, enc_BSD, attention_mask_BS)

@@ -3,6 +3,7 @@
 Shapes: T tokens, D model dim, F ffn dim, E experts, K top-k, G routing groups (all leading
 dims but the last two), S tokens per group (dim -2 of the input).
 """
+import dataclasses
 import warnings
 
 import torch
@@ -261,6 +262,15 @@ class MoELayer(nn.Module):
                 self.dispatcher, x_TD, routing, self._run_experts, self.a2a_overlap_degree,
                 out_dtype, in_flight=shared, timeline=self.timeline)
         return (y_TD if shared_TD is None else y_TD + shared_TD), meta
+
+    def set_dropless_eval(self) -> None:
+        """Eval-mode forwards keep every assignment (no capacity factor, no fixed capacity):
+        what inference wants (trainer.generate, trainer.evaluate). Token choice only."""
+        if self.router.config.kind != "token_choice":
+            raise ValueError("dropless routing needs token choice: expert choice (moe.router="
+                             "'expert_choice') picks a fixed number of tokens per expert")
+        self.router.config = dataclasses.replace(self.router.config, eval_capacity_factor=None,
+                                                 expert_capacity=None)
 
     def set_timeline(self, timeline) -> None:
         """Record this layer's exchanges and expert chunks on `timeline` (None: stop)."""

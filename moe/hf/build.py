@@ -14,6 +14,7 @@ the toolkit's own models, so the trainer's tasks apply unchanged:
   t5, switch_transformers: forward(input_ids_BS, decoder_input_ids_BT) -> logits_BTV, task
   "switch" (span corruption)
 """
+import inspect
 import os
 
 import torch
@@ -67,8 +68,19 @@ class HFLanguageModel(nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids_BS, use_cache=False).logits
+    def forward(self, input_ids_BS: torch.Tensor, cache=None) -> torch.Tensor:
+        """cache (inference, from new_cache): transformers' own KV cache, extended in place."""
+        if cache is None:
+            return self.hf(input_ids=input_ids_BS, use_cache=False).logits
+        # transformers >= 5.2x names it `cache`, earlier releases `past_key_values`
+        key = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
+        return self.hf(input_ids=input_ids_BS, use_cache=True, **{key: cache}).logits
+
+    def new_cache(self):
+        """An empty transformers DynamicCache for forward(..., cache=)."""
+        from transformers import DynamicCache
+        takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
+        return DynamicCache(config=self.hf.config) if takes_config else DynamicCache()
 
 
 class HFSeq2Seq(nn.Module):
@@ -82,6 +94,16 @@ class HFSeq2Seq(nn.Module):
     def forward(self, input_ids_BS, decoder_input_ids_BT, attention_mask_BS=None):
         return self.hf(input_ids=input_ids_BS, decoder_input_ids=decoder_input_ids_BT,
                        attention_mask=attention_mask_BS, use_cache=False).logits
+
+    def encode(self, input_ids_BS, attention_mask_BS=None):
+        """Encoder states [B, S, D] (decode reuses them for every target step)."""
+        return self.hf.get_encoder()(input_ids=input_ids_BS,
+                                     attention_mask=attention_mask_BS).last_hidden_state
+
+    def decode_logits(self, decoder_input_ids_BT, enc_BSD, attention_mask_BS=None):
+        """Logits [B, T, V] of the target ids given encode's states."""
+        return self.hf(encoder_outputs=(enc_BSD,), attention_mask=attention_mask_BS,
+                       decoder_input_ids=decoder_input_ids_BT, use_cache=False).logits
 
 
 def _moe_args(moe_cfg, upcycle: bool) -> dict:

@@ -155,10 +155,11 @@ def _summary(layers: list) -> dict:
 
 
 @torch.no_grad()
-def collect_load(model, batches, max_batches=None, ep=None) -> list:
+def collect_load(model, batches, max_batches=None, ep=None, on_output=None) -> list:
     """Run `model` in eval mode over `batches` (tensors, tuples or kwargs dicts) -> tallies.
     ep=(P, R): plan rows per rank for P expert-parallel ranks with R replica slots when the
-    model runs in one process (see the module docstring)."""
+    model runs in one process (see the module docstring). on_output(i, output): called with
+    batch i's model output (e.g. to score the same forward: trainer.evaluate)."""
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no MoELayer to profile; swap its FFNs "
@@ -180,7 +181,9 @@ def collect_load(model, batches, max_batches=None, ep=None) -> list:
                 break
             current.clear()
             current.update(_streams(batch))
-            _call(model, batch, device)
+            out = _call(model, batch, device)
+            if on_output is not None:
+                on_output(i, out)
     finally:
         for h in hooks:
             h.remove()
@@ -227,7 +230,7 @@ def _to_tensorboard(writer, layers: list, fig, step: int) -> None:
 
 
 def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=None,
-                  top_n: int = 8, writer=None, step: int = 0, ep=None) -> dict:
+                  top_n: int = 8, writer=None, step: int = 0, ep=None, on_output=None) -> dict:
     """Profile expert load over `batches`; write load.json, load.png, TensorBoard if out_dir.
 
     Per layer: counts (sum = tokens * top_k - dropped for token-choice routing), share,
@@ -235,7 +238,7 @@ def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=N
     experts and the most frequent token ids per expert (decoded when a tokenizer is given),
     rows per expert-parallel rank with and without replication (ep=(P, R): see collect_load).
     """
-    tallies = collect_load(model, batches, max_batches, ep)
+    tallies = collect_load(model, batches, max_batches, ep, on_output)
     layers = [layer_report(t, tokenizer, top_n) for t in tallies]
     report = {"batches": len(tallies[0].pairs), "layers": layers, "summary": _summary(layers)}
     if out_dir is not None:
