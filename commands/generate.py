@@ -101,7 +101,7 @@ def _generate(args) -> int:
     for i, row in enumerate(new_BN.tolist()):
         row = _cut(row, eos)
         head = f"--- sample {i + 1} ({len(row)} tokens) ---"
-        text = _decode(tok, row, run.cfg.model.vocab_size, seq2seq)
+        text = _decode(tok, row, run.cfg.model.vocab_size, _sentinels(run.cfg) if seq2seq else 0)
         print(f"{head}\n{text if seq2seq else args.prompt + text}")
     if recorder is not None:
         _record(args, run, recorder, prompt_BP, new_BN, len(prompt))
@@ -137,14 +137,22 @@ def _encode(tok, text: str, vocab_size: int, seq2seq: bool) -> list:
     return ids + tok.encode(text[pos:]).tolist() + [tok.eos_id]
 
 
-def _decode(tok, ids: list, vocab_size: int, seq2seq: bool) -> str:
-    """Text of the ids; ids above the tokenizer's vocabulary (sentinels) as <extra_id_N>."""
+def _sentinels(cfg) -> int:
+    """Sentinel ids span corruption uses for one training sample (the top of the vocabulary)."""
+    from trainer.tasks import sentinels_needed
+    return sentinels_needed(cfg.data.seq_len, cfg.data)
+
+
+def _decode(tok, ids: list, vocab_size: int, sentinels: int) -> str:
+    """Text of the ids; span-corruption sentinels as <extra_id_N>, other ids beyond the
+    tokenizer's vocabulary (padding the model's) as <id N>."""
     out, run = [], []
     for i in ids:
         if i >= tok.vocab_size:
             out.append(tok.decode(run))
             run = []
-            out.append(f"<extra_id_{vocab_size - 1 - i}>" if seq2seq else f"<id {i}>")
+            n = vocab_size - 1 - i
+            out.append(f"<extra_id_{n}>" if n < sentinels else f"<id {i}>")
         else:
             run.append(i)
     return "".join(out) + tok.decode(run)

@@ -94,7 +94,7 @@ def cache_key(source, tokenizer, vocab_size, val_fraction, max_bytes, text_field
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _val_every(val_fraction: float) -> int:
+def val_every(val_fraction: float) -> int:
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1), e.g. 0.05")
     return max(2, round(1 / val_fraction))
@@ -105,7 +105,7 @@ def prepare(source, out_dir, tokenizer="byte", vocab_size=4096, val_fraction=0.0
     """Tokenize `source` into `out_dir`, written atomically (temp dir, then rename)."""
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"data.tokenizer={tokenizer!r} is not supported; use one of {TOKENIZER_KINDS}")
-    every = _val_every(val_fraction)
+    every = val_every(val_fraction)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -28,6 +28,12 @@ class ByteTokenizer:
         data = bytes(int(i) for i in ids if 0 < int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
+    def byte_lengths(self) -> np.ndarray:
+        """Bytes of text each id stands for [vocab_size] (the separator: 0), for bits/byte."""
+        lengths = np.ones(self.vocab_size, dtype=np.int64)
+        lengths[self.eos_id] = 0
+        return lengths
+
 
 class BPETokenizer:
     """A `tokenizers.Tokenizer` (byte-level BPE) loaded from its tokenizer.json."""
@@ -48,6 +54,18 @@ class BPETokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def byte_lengths(self) -> np.ndarray:
+        """Bytes of text each id stands for [vocab_size]: byte-level BPE spells every token
+        with one symbol per byte; special tokens (end-of-text) stand for none."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        special = set(self._tok.get_added_tokens_decoder()) if hasattr(
+            self._tok, "get_added_tokens_decoder") else {self.eos_id}
+        for i in range(self.vocab_size):
+            piece = self._tok.id_to_token(i)
+            if piece is not None and i not in special:
+                lengths[i] = len(piece)
+        return lengths
 
 
 def train_bpe(texts, vocab_size: int, path) -> BPETokenizer:

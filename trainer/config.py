@@ -332,6 +332,24 @@ def check_sections(cfg: Config) -> None:
                               f"{'them' if len(ignored) > 1 else 'it'} from the [moe] section")
 
 
+def _check_replay(cfg: Config, plan) -> None:
+    """moe.router_replay: layouts whose MoE layers see whole sequences of this rank's rows."""
+    if not cfg.moe.router_replay:
+        return
+    where = f"moe.router_replay={cfg.moe.router_replay!r}"
+    _require(cfg.moe.every > 0, f"{where} on a dense model (moe.every=0); unset it")
+    from .model import task_arch
+    _require(task_arch(cfg) == "gpt", f"{where} replays decoder-only models (records come from "
+             f"trainer.generate's causal decode); unset it for this encoder-decoder")
+    _require(cfg.moe.router == "token_choice" and not cfg.moe.force_balance,
+             f"{where} needs moe.router='token_choice' and moe.force_balance=false (the replayed "
+             f"experts are token choices)")
+    for name, value, off in (("pp", plan.pp, 1), ("cp", plan.cp, 1), ("tp", plan.tp, 1),
+                             ("ps_servers", plan.ps_servers, 0)):
+        _require(value == off, f"{where} runs with data and expert parallelism (and ZeRO); "
+                               f"set parallel.{name}={off}")
+
+
 def validate(cfg: Config, world_size: int):
     """Check every section and their combination; returns the resolved ParallelPlan."""
     _check_own(cfg)
@@ -342,6 +360,7 @@ def validate(cfg: Config, world_size: int):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_hf_layout(cfg, plan)
+    _check_replay(cfg, plan)
     _check_batching(cfg, plan)
     _check_optimizer(cfg, plan)
     return plan

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.aux import collect_aux_loss
+from moe.replay import replaying
 
 from .distributed import barrier
 from .memory import model_state_bytes
@@ -70,9 +71,11 @@ class Plain:
         stats = {name: [] for name, _ in tr.moe}
         for i, part in enumerate(micro):
             tr.par.set_grad_sync(i == len(micro) - 1)
-            loss = tr.task.loss(tr.model, part)
-            aux = collect_aux_loss(tr.model).to(loss.device)
-            ((loss + aux) * (scale / len(micro))).backward()
+            part, ids = (part["samples"], part["expert_ids"]) if tr.replay is not None else (part, None)
+            with replaying(tr.model, ids):  # backward inside: a recomputed forward replays too
+                loss = tr.task.loss(tr.model, part)
+                aux = collect_aux_loss(tr.model).to(loss.device)
+                ((loss + aux) * (scale / len(micro))).backward()
             loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + aux.detach()
             for name, layer in tr.moe:
                 if layer.last_stats is not None:

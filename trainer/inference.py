@@ -24,6 +24,7 @@ class LoadedRun:
     step: int
     saved_world: int     # world size of the run that wrote it
     device: object
+    trained_ep: int = 1  # the run's parallel.ep (the load profiler plans its rows per rank)
 
     def describe(self) -> str:
         routed = self.cfg.moe.capacity_factor
@@ -45,6 +46,7 @@ def load_run(run_dir, step=None, overrides=()) -> LoadedRun:
                           f"run.dir a training run printed")
     ckpt = _checkpoint(run_dir, step)
     cfg = load_config(run_dir / "config.toml", overrides)
+    trained_ep = cfg.parallel.ep if isinstance(cfg.parallel.ep, int) else 1
     cfg.parallel = ParallelPlan()  # one process: the run's layout does not matter here
     check_sections(cfg)
     if cfg.moe.router == "expert_choice" and cfg.moe.every:
@@ -63,7 +65,7 @@ def load_run(run_dir, step=None, overrides=()) -> LoadedRun:
         layer.set_dropless_eval()
     info = checkpoint.read_trainer_state(ckpt)
     return LoadedRun(cfg, model, task_arch(cfg), ckpt, int(info["step"]),
-                     int(info.get("world_size", 1)), device)
+                     int(info.get("world_size", 1)), device, trained_ep)
 
 
 def _moe_layers(model):

@@ -127,6 +127,9 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     train_file = open_split(data_dir, "train", cfg.data.seq_len)
     val_file = open_split(data_dir, "val", cfg.data.seq_len)
+    replay = _routing_record(cfg)
+    if replay is not None:  # the rollouts are the training split; validation stays the source's
+        train_file = replay
     check_splits(cfg, train_file.num_sequences, val_file.num_sequences, plan.dp)
 
     torch.manual_seed(cfg.train.seed)
@@ -135,6 +138,11 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     # holds the whole model
     whole = build_model(cfg, ctx.device)
     described = _describe(cfg, whole)  # before a pipeline split leaves this rank its stage
+    if replay is not None:
+        try:
+            replay.check(cfg, len(models.moe_layers(whole)))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     flops = telemetry.step_flops(cfg, whole)  # likewise
     par = parallelize(whole, plan, meshes, loss_fn=token_loss, init_fn=init_fn(cfg, ctx.device))
     optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
@@ -155,6 +163,8 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         if scaler is not None and "loss_scaler" in info:
             scaler.load_state_dict(info["loss_scaler"])
         start = info["step"]
+    elif cfg.checkpoint.init_from:
+        _init_from(cfg, ctx, par)
     if ctx.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
@@ -169,10 +179,32 @@ def _train(cfg, ctx, plan, resume_from) -> int:
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
                                par.split_sequence if plan.cp > 1 else None),
                           execution_for(par, ps), first_step=start + 1, stop_request=stop_request,
-                          step_flops=flops, plan_check=check)
+                          step_flops=flops, plan_check=check, replay=replay)
         for step in range(start + 1, cfg.train.steps + 1):
             trainer.step(step)
     return 0
+
+
+def _routing_record(cfg):
+    """moe.router_replay's record (trainer/router_record.py), or None."""
+    if not cfg.moe.router_replay:
+        return None
+    from .router_record import RoutingRecord
+    try:
+        return RoutingRecord(cfg.moe.router_replay)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _init_from(cfg, ctx, par) -> None:
+    """checkpoint.init_from: the model weights of another run (any layout), nothing else."""
+    try:
+        path = checkpoint.load_model_weights(cfg.checkpoint.init_from, par)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {e}") from None
+    if ctx.is_main:
+        print(f"model weights from {path} (checkpoint.init_from); optimizer, schedule and data "
+              f"start anew", flush=True)
 
 
 @contextlib.contextmanager
@@ -217,7 +249,13 @@ def _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from)
     log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout {plan.summary()}")
     for line in described:
         log.info(line)
-    log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
-             f"{cfg.data.seq_len} tokens)")
+    if cfg.moe.router_replay:
+        log.info(f"router replay: training on the {train_file.num_sequences} recorded sequences of "
+                 f"{cfg.data.seq_len} tokens in {cfg.moe.router_replay}, every MoE layer routing "
+                 f"each token to its recorded experts (gates from the current router); "
+                 f"validation: {data_dir}")
+    else:
+        log.info(f"data: {data_dir} ({train_file.num_sequences} training sequences of "
+                 f"{cfg.data.seq_len} tokens)")
     if resume_from is not None:
         log.info(f"resumed from {resume_from}")

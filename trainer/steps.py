@@ -30,7 +30,7 @@ class Trainer:
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
                  execution, first_step: int, stop_request=None, *, step_flops: float,
-                 plan_check=None):
+                 plan_check=None, replay=None):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
@@ -45,6 +45,7 @@ class Trainer:
         self.step_flops = step_flops
         self.peak_tflops = telemetry.device_peak_tflops(cfg.log.peak_tflops, ctx.device)
         self.plan_check = plan_check  # plan_check.PlanCheck on rank 0 (log.plan_check), or None
+        self.replay = replay  # router_record.RoutingRecord (moe.router_replay; the train split), or None
 
     @property
     def rows_per_rank(self) -> int:
@@ -95,6 +96,8 @@ class Trainer:
         idx = self.sampler.next_indices()
         batch = self.task.prepare(self.train_file.batch(idx), idx)
         reset_balance_windows(self.model)  # global_batch balance: one window per optimizer step
+        if self.replay is not None:  # the rows' recorded experts travel with them
+            return {"samples": batch, "expert_ids": self.replay.ids(idx).to(batch.device)}
         return batch
 
     def peak_memory(self, n: int):

@@ -112,6 +112,15 @@ def test_bad_files(tmp_path):
     (["parallel.pp=2", "train.micro_batch_size=4", "parallel.microbatches=2",
       "model.tie_embeddings=false"], 2,
      ["train.micro_batch_size", "parallel.microbatches"]),
+    (["moe.router_replay=r.pt", "parallel.pp=2"], 2, ["moe.router_replay", "parallel.pp=1"]),
+    (["moe.router_replay=r.pt", "parallel.tp=2"], 2, ["moe.router_replay", "parallel.tp=1"]),
+    (["moe.router_replay=r.pt", "parallel.cp=2"], 2, ["moe.router_replay", "parallel.cp=1"]),
+    (["moe.router_replay=r.pt", "parallel.ps_servers=1"], 2,
+     ["moe.router_replay", "parallel.ps_servers=0"]),
+    (["moe.router_replay=r.pt", "model.arch=switch"], 1, ["moe.router_replay", "encoder-decoder"]),
+    (["moe.router_replay=r.pt", "moe.router=expert_choice"], 1,
+     ["moe.router_replay", "moe.router='token_choice'"]),
+    (["moe.router_replay=r.pt", "moe.every=0"], 1, ["moe.router_replay", "dense model"]),
 ])
 def test_impossible_layouts_and_values(overrides, world, words):
     cfg = load_config(None, overrides)
