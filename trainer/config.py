@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.config import ModelConfig, MoEConfig
-from models.hf_build import MOE_TASKS, HFConfig, moe_section_conflicts
+from models.hf_build import MOE_TASKS, TASKS as HF_TASKS, HFConfig, moe_section_conflicts
 from parallel.plan import ParallelPlan
 
 from .sections import CHOICES, CheckpointConfig, DataConfig, LogConfig, RunConfig, TrainConfig
@@ -332,13 +332,17 @@ def check_sections(cfg: Config) -> None:
                               f"{'them' if len(ignored) > 1 else 'it'} from the [moe] section")
 
 
+def task_arch(cfg: Config) -> str:
+    """'gpt' (next-token) or 'switch' (span corruption): the training task of the model."""
+    return HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
+
+
 def _check_replay(cfg: Config, plan) -> None:
     """moe.router_replay: layouts whose MoE layers see whole sequences of this rank's rows."""
     if not cfg.moe.router_replay:
         return
     where = f"moe.router_replay={cfg.moe.router_replay!r}"
     _require(cfg.moe.every > 0, f"{where} on a dense model (moe.every=0); unset it")
-    from .model import task_arch
     _require(task_arch(cfg) == "gpt", f"{where} replays decoder-only models (records come from "
              f"trainer.generate's causal decode); unset it for this encoder-decoder")
     _require(cfg.moe.router == "token_choice" and not cfg.moe.force_balance,

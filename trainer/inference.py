@@ -28,7 +28,7 @@ class LoadedRun:
 
     def describe(self) -> str:
         routed = self.cfg.moe.capacity_factor
-        cap = "dropless" if routed is None else f"trained with capacity_factor={routed:g}"
+        cap = "as trained" if routed is None else f"trained with capacity_factor={routed:g}"
         return (f"checkpoint {self.checkpoint} (step {self.step}, written by {self.saved_world} "
                 f"rank(s)); one process on {self.device}; MoE routing at inference: dropless "
                 f"({cap})")

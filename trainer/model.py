@@ -1,13 +1,9 @@
 """The model a config describes, built the same way by train.py and `python -m trainer.profile`."""
 import models
-from models.hf_build import TASKS as HF_TASKS
 
-from .config import check_hf_layout
+from .config import check_hf_layout, task_arch
 
-
-def task_arch(cfg) -> str:
-    """'gpt' (next-token) or 'switch' (span corruption): the training task of the model."""
-    return HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
+__all__ = ["build_model", "init_fn", "task_arch"]  # task_arch lives in config.py (validation uses it)
 
 
 def build_model(cfg, device):
