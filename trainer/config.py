@@ -258,6 +258,8 @@ def _check_own(cfg: Config) -> None:
              f"run.name={cfg.run.name!r} must be a plain name (it names runs/<run.name>-NNN); "
              f"to choose the directory itself set run.dir")
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _require(cfg.run.hang_timeout_s >= 0, f"run.hang_timeout_s={cfg.run.hang_timeout_s} must be "
+                                          f">= 0 seconds (0 = no hang detection)")
     _require(lg.peak_tflops >= 0, f"log.peak_tflops={lg.peak_tflops} must be >= 0 (0 = a known "
                                   f"GPU's data-sheet peak, or no mfu)")
     _require(t.batch_size >= 1, f"train.batch_size={t.batch_size} must be >= 1 (global sequences per step)")

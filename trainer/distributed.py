@@ -6,7 +6,7 @@ with gloo. Nothing here is global: the returned DistContext is passed around.
 """
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str          # "" when running as a single process without a process group
+    store: object = field(default=None, compare=False)  # this attempt's rendezvous store (heartbeats)
 
     @property
     def is_main(self) -> bool:
@@ -54,15 +55,21 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 300) -> DistCon
     if world == 1 and not dist.is_initialized():
         return DistContext(0, 1, 0, device, "")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    store = None
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = restart_safe_store(timeout)
-        if store is None:
-            dist.init_process_group(backend=backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend=backend, timeout=timeout, store=store,
-                                    rank=int(os.environ["RANK"]), world_size=world)
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+        store = restart_safe_store(timeout) or env_store(timeout, world)
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]), world_size=world)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, store)
+
+
+def env_store(timeout, world: int):
+    """What env:// init builds (rank 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT), built here
+    so the run keeps a handle on it (heartbeats)."""
+    rank = int(os.environ["RANK"])
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0, timeout=timeout)
 
 
 def restart_safe_store(timeout):

@@ -34,6 +34,7 @@ from .tasks import Task, sentinels_needed, token_loss
 def run(cfg) -> int:
     """Train according to `cfg` (a trainer.config.Config). ConfigError for user mistakes."""
     ctx = init_distributed(cfg.run.device, cfg.run.dist_timeout_s)
+    beat = _heartbeat(cfg, ctx)
     ok = False
     try:
         code = _run(cfg, ctx)
@@ -43,7 +44,17 @@ def run(cfg) -> int:
         ok = True  # every rank stops at the same step: the ordinary (barrier) teardown is safe
         raise
     finally:
+        if beat is not None:
+            beat.stop()
         shutdown(ctx, ok)
+
+
+def _heartbeat(cfg, ctx):
+    """run.hang_timeout_s > 0 under several processes: this rank's heartbeat thread, started."""
+    if not (ctx.distributed and ctx.store is not None and cfg.run.hang_timeout_s > 0):
+        return None
+    from .heartbeat import Heartbeat
+    return Heartbeat(ctx.store, ctx.rank, ctx.world_size, cfg.run.hang_timeout_s).start()
 
 
 def _prepare_data(cfg, ctx) -> Path:

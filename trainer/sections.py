@@ -19,6 +19,7 @@ class RunConfig:
     device: str = _f("auto", "auto (cuda when available, else cpu) | cpu | cuda")
     overwrite: bool = _f(False, "start over in a run.dir that already holds a run (deletes its checkpoints and logs)")
     dist_timeout_s: int = _f(300, "process-group timeout in seconds (a hung collective fails after this)")
+    hang_timeout_s: float = _f(60.0, "under torchrun: a rank whose heartbeat (a side thread, independent of the training work) stops for this long is named and every rank stops (exit 4; trainer/heartbeat.py); 0 = off")
 
 
 @dataclass
