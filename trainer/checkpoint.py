@@ -17,6 +17,12 @@ fsync'd before COMPLETE is written, and the directories after the rename, so a p
 cannot leave a COMPLETE checkpoint with missing data. A resume checks the newest checkpoint
 against its manifest (verify) and falls back to an older one; rejected and half-written
 step directories are moved to checkpoints/rejected/ (kept for inspection, never loaded).
+
+checkpoint.async (begin_save with background=True): DCP's async_save copies the state to host
+memory and writes it from a thread while training goes on; rank 0 then hashes the files for
+the manifest in another thread. finish_save (called by the trainer at the first step boundary
+where every rank's write is done, before the next save, at the end and on SIGTERM) declares
+it exactly as a synchronous save does, so a kill at any point before leaves only a temp dir.
 """
 import contextlib
 import hashlib
@@ -24,7 +30,10 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -95,9 +104,31 @@ def _rng_state() -> dict:
 
 def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int) -> Path:
     """Collective: every rank calls it with its parallel.Parallelized `par` and optimizer."""
+    return finish_save(ctx, begin_save(ctx, run_dir, step, par, optimizer, trainer_state), keep)
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written into `tmp`; finish_save makes it `final` once written."""
+    step: int
+    tmp: Path
+    final: Path
+    future: object = None  # async_save's Future (None: written already, or nothing to write)
+
+    def written(self) -> bool:
+        """This rank's part is on disk (an async write that failed counts: finish raises it)."""
+        return self.future is None or self.future.done()
+
+
+def begin_save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict,
+               background: bool = False, group=None) -> PendingSave:
+    """Collective. Write step's checkpoint into its temp dir: the DCP state synchronously, or
+    (background) from a host copy taken here while training goes on, DCP's own collectives
+    running off the main thread on `group` (a gloo group of every rank; None in one process).
+    RNG states and trainer.json are written now: the checkpoint holds this step's state."""
     final = step_dir(run_dir, step)
     if final.is_dir() and (final / "COMPLETE").is_file():
-        return final  # this exact step is already saved (e.g. resumed at the last step)
+        return PendingSave(step, final, final)  # this exact step is already saved
     bad = _first_non_finite(par.model)
     if not all_agree(ctx, bad is None):  # never replace (or prune) a good checkpoint with this
         raise ValueError(f"refusing to save a checkpoint at step {step}: non-finite weights"
@@ -107,18 +138,54 @@ def save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict, keep: int
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(ctx)
+    future = None
     with _quiet_single_process(ctx):
-        dcp.save(layout_state(par, optimizer), checkpoint_id=str(tmp))
+        if not background:
+            dcp.save(layout_state(par, optimizer), checkpoint_id=str(tmp))
+        else:
+            future = dcp.async_save(layout_state(par, optimizer), checkpoint_id=str(tmp),
+                                    process_group=group, no_dist=not ctx.distributed)
     rng_file = tmp / f"rng_rank{ctx.rank}.pt"
     torch.save(_rng_state(), rng_file)
     _fsync_file(rng_file)
     if ctx.is_main:
         state = dict(trainer_state, step=step, world_size=ctx.world_size)
         _write_synced(tmp / "trainer.json", json.dumps(state, indent=1))
+        if future is not None:
+            # rank 0's DCP future ends after every rank's files (its finish step gathers their
+            # results) and the RNG files precede the save: hash them all off the main thread too
+            future = _then(future, lambda: _manifest(tmp))
+    return PendingSave(step, tmp, final, future)
+
+
+def _then(future, fn):
+    """A Future of fn() run in a thread once `future` has succeeded (its error otherwise)."""
+    out = Future()
+
+    def run():
+        try:
+            future.result()
+            out.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(e)
+    threading.Thread(target=run, name="moekit-checkpoint-manifest", daemon=True).start()
+    return out
+
+
+def finish_save(ctx, pending: PendingSave, keep: int) -> Path:
+    """Collective. Wait for the write, then declare it: manifest, COMPLETE, the rename into
+    place, pruning beyond `keep`. Until then the previous checkpoint stays the newest."""
+    if pending.tmp == pending.final:
+        return pending.final
+    manifest = None
+    if pending.future is not None:
+        manifest = pending.future.result()  # this rank's files are written (or its error raised)
+    final, tmp, run_dir = pending.final, pending.tmp, pending.final.parent.parent
     barrier(ctx)  # every rank's files are written before the checkpoint is declared complete
     if ctx.is_main:
-        _write_synced(tmp / MANIFEST, json.dumps(_manifest(tmp), indent=1))  # fsyncs the DCP files
-        _write_synced(tmp / "COMPLETE", f"{step}\n")
+        manifest = manifest or _manifest(tmp)  # _sha256 also fsyncs every file
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        _write_synced(tmp / "COMPLETE", f"{pending.step}\n")
         _fsync_dir(tmp)
         if final.exists():  # a step dir without COMPLETE (a copy, an old crash): keep it aside
             move_aside(final)

@@ -105,7 +105,12 @@ def coerce(value, tp, where: str):
     return tp(value) if tp in (float, str) else value
 
 
+# names a field may also be given by (a Python keyword cannot name a dataclass field)
+ALIASES = {("checkpoint", "async"): "async_save"}
+
+
 def _set(cfg: Config, section: str, name: str, value, from_cli: bool) -> None:
+    name = ALIASES.get((section, name), name)
     if section not in section_names():
         raise ConfigError(f"unknown config section {section!r}" + _closest(section, section_names()))
     sec = getattr(cfg, section)

@@ -7,6 +7,7 @@ schedule, resumes from a checkpoint when asked, and hands the steps to the Train
 layout's execution strategy (execution.py). The parameter server's RPC lives for the run.
 """
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -190,10 +191,30 @@ def _train(cfg, ctx, plan, resume_from) -> int:
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
                                par.split_sequence if plan.cp > 1 else None),
                           execution_for(par, ps), first_step=start + 1, stop_request=stop_request,
-                          step_flops=flops, plan_check=check, replay=replay)
-        for step in range(start + 1, cfg.train.steps + 1):
-            trainer.step(step)
+                          step_flops=flops, plan_check=check, replay=replay,
+                          save_group=_save_group(cfg, ctx))
+        try:
+            for step in range(start + 1, cfg.train.steps + 1):
+                trainer.step(step)
+        except Stopped:  # every rank stops at the same step: the save in flight completes
+            trainer.finish_save()
+            raise
+        trainer.finish_save()
     return 0
+
+
+def _save_group(cfg, ctx):
+    """checkpoint.async_save under several processes: a gloo group of every rank for DCP's
+    collectives in its writer thread (off the training collectives' group; gloo also when
+    training runs on NCCL: async_save needs a CPU backend). In one process DCP's writer thread
+    warns that it assumes one process, which is intended (the main thread's saves are quieted
+    by checkpoint._quiet_single_process; a thread cannot be): that one warning is filtered."""
+    if not cfg.checkpoint.async_save:
+        return None
+    if not ctx.distributed:
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def _routing_record(cfg):

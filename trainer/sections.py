@@ -80,6 +80,7 @@ class CheckpointConfig:
     every: int = _f(100, "save a checkpoint every N steps (and at the end); 0 = only at the end")
     keep: int = _f(2, "complete checkpoints to keep (older ones are deleted after a newer one is complete)")
     at_end: bool = _f(True, "save a checkpoint after the last step")
+    async_save: bool = _f(False, "write checkpoints in the background (torch.distributed.checkpoint's async_save: the state is copied to host memory, training goes on while it is written; at most one in flight, waited for before the next save, at the end and on SIGTERM; a checkpoint becomes the latest only once written); also spelled checkpoint.async")
     init_from: str = _f("", "a fresh run starts from the model weights of this run dir or checkpoint dir (any layout; optimizer, schedule and data start anew; a resume loads its own checkpoint instead); '' = initialise")
 
 

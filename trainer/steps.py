@@ -18,7 +18,7 @@ from moe.stats import merge_stats
 
 from . import checkpoint
 from .config import to_dict
-from .distributed import any_rank
+from .distributed import all_agree, any_rank
 from .evaluation import held_out
 from .memory import PeakMemory, model_state_bytes, peak_mem_every
 from . import telemetry
@@ -30,7 +30,7 @@ class Trainer:
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
                  execution, first_step: int, stop_request=None, *, step_flops: float,
-                 plan_check=None, replay=None):
+                 plan_check=None, replay=None, save_group=None):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
@@ -46,6 +46,8 @@ class Trainer:
         self.peak_tflops = telemetry.device_peak_tflops(cfg.log.peak_tflops, ctx.device)
         self.plan_check = plan_check  # plan_check.PlanCheck on rank 0 (log.plan_check), or None
         self.replay = replay  # router_record.RoutingRecord (moe.router_replay; the train split), or None
+        self.save_group = save_group  # checkpoint.async_save: the gloo group DCP writes with
+        self.saving = None  # checkpoint.PendingSave in flight (async), or None
 
     @property
     def rows_per_rank(self) -> int:
@@ -171,6 +173,7 @@ class Trainer:
             profile_at_step(self, n)
         if stop or self._due(n, self.cfg.checkpoint.every, at_end=self.cfg.checkpoint.at_end):
             self.save(n)
+        self.finish_save(wait=stop or n == self.cfg.train.steps)  # the last save is waited for
         if stop:
             raise Preempted(f"stopped by SIGTERM after step {n}"
                             + (f"; checkpoint {self.last_saved} saved" if self.last_saved else "")
@@ -202,7 +205,23 @@ class Trainer:
                  "layout": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "ep", "etp", "zero")}}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
-        path = checkpoint.save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer, state,
-                               self.cfg.checkpoint.keep)
+        self.finish_save()  # at most one save in flight
+        background = self.cfg.checkpoint.async_save
+        self.saving = checkpoint.begin_save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer,
+                                            state, background, self.save_group)
+        if not background:
+            self.finish_save()
+        else:
+            self.log.info(f"checkpoint of step {n}: writing in the background")
+
+    def finish_save(self, wait: bool = True) -> None:
+        """Declare the save in flight once every rank has written it (wait=False: only if that
+        is already so, decided on every rank alike); a no-op when none is."""
+        if self.saving is None:
+            return
+        if not wait and not all_agree(self.ctx, self.saving.written()):
+            return
+        path = checkpoint.finish_save(self.ctx, self.saving, self.cfg.checkpoint.keep)
+        self.saving = None
         self.last_saved = path
         self.log.info(f"saved checkpoint {path}")
