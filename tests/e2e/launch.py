@@ -47,3 +47,13 @@ def run_all(jobs, tmp, max_procs: int = 4, timeout: float = 600) -> list:
             raise TimeoutError(f"launches still running after {timeout} s: {sorted(running)}")
         time.sleep(0.1)
     return [done[i] for i in range(len(jobs))]
+
+
+def prepared_cache(tmp_path_factory, name: str, args) -> Path:
+    """A data cache holding the prepared data of a train.py config given by `args` (overrides),
+    made in this process: launches started together then only read it."""
+    from data.prepare import prepared_dir
+    from trainer.config import load_config
+    path = tmp_path_factory.mktemp(name)
+    prepared_dir(load_config(None, list(args) + [f"data.cache_dir={path}"]).data)
+    return path

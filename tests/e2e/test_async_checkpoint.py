@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.e2e.launch import run_all
+from tests.e2e.launch import prepared_cache, run_all
 from tests.e2e.test_train import ROOT, TINY, losses, train
 
 pytestmark = pytest.mark.e2e
@@ -24,12 +24,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """The tiny runs' prepared data, made once here (concurrent launches then only read it)."""
-    from data.prepare import prepared_dir
-    from trainer.config import load_config
-    path = tmp_path_factory.mktemp("async_cache")
-    prepared_dir(load_config(None, TINY + [f"data.cache_dir={path}"]).data)
-    return path
+    return prepared_cache(tmp_path_factory, "async_cache", TINY)
 
 
 @pytest.mark.long

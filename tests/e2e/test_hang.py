@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.e2e.launch import command
+from tests.e2e.launch import command, prepared_cache
 from tests.e2e.test_train import ROOT, TINY, losses, records
 
 pytestmark = pytest.mark.e2e
@@ -28,12 +28,7 @@ COMMON = TINY + ["train.eval_every=0", "log.moe_stats_every=0", "checkpoint.ever
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """The tiny runs' prepared data, made once here (concurrent launches then only read it)."""
-    from data.prepare import prepared_dir
-    from trainer.config import load_config
-    path = tmp_path_factory.mktemp("hang_cache")
-    prepared_dir(load_config(None, TINY + [f"data.cache_dir={path}"]).data)
-    return path
+    return prepared_cache(tmp_path_factory, "hang_cache", TINY)
 
 
 def _rank_pid(launcher_pid: int, rank: int):
