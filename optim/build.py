@@ -30,10 +30,27 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
-OPTIMIZERS = ("adamw", "adafactor")
+OPTIMIZERS = ("adamw", "adafactor", "muon")
+
+
+def muon_groups(model: torch.nn.Module, weight_decay: float) -> list:
+    """Muon's hidden matrices (decayed), then AdamW's decay / no-decay groups of the rest."""
+    from .muon import split_params
+    muon, rest = split_params(model)
+    decay = [p for n, p in rest if not is_no_decay(n, p)]
+    no_decay = [p for n, p in rest if is_no_decay(n, p)]
+    return [{"params": muon, "weight_decay": weight_decay, "muon": True, "name": "muon"},
+            {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
 def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
+    if train_cfg.optimizer == "muon":
+        from .muon import MuonAdamW
+        t = train_cfg
+        return MuonAdamW(muon_groups(model, t.weight_decay), t.lr, betas=(t.beta1, t.beta2),
+                         eps=t.eps, momentum=t.muon_momentum, nesterov=t.muon_nesterov,
+                         ns_steps=t.muon_ns_steps, adjust_lr=t.muon_adjust_lr)
     groups = param_groups(model, train_cfg.weight_decay)
     if train_cfg.optimizer == "adafactor":
         return Adafactor(groups, lr=train_cfg.lr, relative_step=train_cfg.adafactor_relative_step)

@@ -293,10 +293,30 @@ def _check_own(cfg: Config) -> None:
 
 
 def _check_optimizer(cfg: Config, plan) -> None:
+    if cfg.train.optimizer == "muon":
+        _check_muon(cfg, plan)
     _require(not (cfg.train.optimizer == "adafactor" and plan.zero in (1, 2)),
              f"train.optimizer='adafactor' cannot run on ZeRO-{plan.zero}'s flat parameter slices "
              f"(its factored moments need the matrix shapes); use parallel.zero=3 (its shards keep "
              f"the shapes) or 0, or train.optimizer='adamw'")
+
+
+def _check_muon(cfg: Config, plan) -> None:
+    """Muon orthogonalises whole matrices; these layouts hold pieces of them on a rank."""
+    fix = {"zero": (plan.zero, 0, "ZeRO slices or shards the matrices and their state"),
+           "tp": (plan.tp, 1, "tensor parallelism splits the matrices"),
+           "etp": (plan.etp, 1, "expert tensor parallelism splits each expert's matrices"),
+           "ps_servers": (plan.ps_servers, 0, "the parameter server steps the optimizer itself"),
+           "offload": (plan.offload, "none", "offload steps host copies of the state")}
+    for field, (value, ok, why) in fix.items():
+        _require(value == ok, f"train.optimizer='muon' needs whole matrices on each rank and "
+                              f"{why}: set parallel.{field}={ok} (dp, cp, pp and ep keep them "
+                              f"whole; the gathered update for the others is not built yet)")
+    _require(plan.pp_schedule != "2bw", "train.optimizer='muon' with parallel.pp_schedule='2bw': "
+             "PipeDream-2BW keeps two weight versions its own way; use another pp_schedule")
+    _require(cfg.train.muon_ns_steps >= 1 and cfg.train.muon_momentum >= 0,
+             f"train.muon_ns_steps={cfg.train.muon_ns_steps} must be >= 1 and "
+             f"train.muon_momentum={cfg.train.muon_momentum} >= 0")
 
 
 def _check_batching(cfg: Config, plan) -> None:

@@ -31,7 +31,11 @@ class TrainConfig:
     lr: float = _f(2e-3, "peak learning rate (AdamW)")
     min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of train.lr")
     warmup_steps: int = _f(20, "linear warmup steps from 0 to train.lr")
-    optimizer: str = _f("adamw", "adamw | adafactor (factored second moments; zero 0 or 3, not 1/2)")
+    optimizer: str = _f("adamw", "adamw | adafactor (factored second moments; zero 0 or 3, not 1/2) | muon (torch.optim.Muon's update on the hidden matrices -- Linear weights, and each expert's matrices of the expert banks -- and AdamW on the rest: embeddings, the output head, norms, biases, routers, gates; the layouts that keep matrices whole: dp, cp, pp, ep with zero=0)")
+    muon_momentum: float = _f(0.95, "muon: momentum of the matrices' buffer (torch.optim.Muon's default)")
+    muon_nesterov: bool = _f(True, "muon: Nesterov momentum")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations (coefficients 3.4445, -4.775, 2.0315, torch.optim.Muon's)")
+    muon_adjust_lr: str = _f("match_rms_adamw", "muon: update scale, match_rms_adamw (lr x 0.2 sqrt(max(rows, cols)): AdamW's lr and weight decay carry over, Moonlight) | original (lr x sqrt(max(1, rows/cols)))")
     adafactor_relative_step: bool = _f(True, "adafactor: step = max(1e-3, RMS(param)) x min(lr, 1/sqrt(t)) (the paper's relative step, capped by the scheduled lr); false: step = the scheduled lr itself")
     weight_decay: float = _f(0.1, "weight decay on matrices (not on norms, biases, router)")
     beta1: float = _f(0.9, "AdamW beta1")
@@ -87,6 +91,7 @@ class CheckpointConfig:
 CHOICES = {
     ("run", "device"): ("auto", "cpu", "cuda"),
     ("data", "tokenizer"): ("byte", "bpe"),
-    ("train", "optimizer"): ("adamw", "adafactor"),
+    ("train", "optimizer"): ("adamw", "adafactor", "muon"),
+    ("train", "muon_adjust_lr"): ("match_rms_adamw", "original"),
     ("log", "progress"): ("auto", "bar", "plain", "none"),
 }

@@ -121,6 +121,14 @@ def test_bad_files(tmp_path):
     (["moe.router_replay=r.pt", "moe.router=expert_choice"], 1,
      ["moe.router_replay", "moe.router='token_choice'"]),
     (["moe.router_replay=r.pt", "moe.every=0"], 1, ["moe.router_replay", "dense model"]),
+    (["train.optimizer=muon", "parallel.zero=1"], 2, ["train.optimizer='muon'", "parallel.zero=0"]),
+    (["train.optimizer=muon", "parallel.tp=2"], 2, ["train.optimizer='muon'", "parallel.tp=1"]),
+    (["train.optimizer=muon", "parallel.ep=2", "parallel.etp=2", "parallel.dp=4"], 4,
+     ["train.optimizer='muon'", "parallel.etp=1"]),
+    (["train.optimizer=muon", "parallel.ps_servers=1"], 2, ["train.optimizer='muon'", "parallel.ps_servers=0"]),
+    (["train.optimizer=muon", "parallel.pp=2", "parallel.pp_schedule=2bw", "parallel.microbatches=2",
+      "model.tie_embeddings=false"], 2,
+     ["train.optimizer='muon'", "2bw"]),
 ])
 def test_impossible_layouts_and_values(overrides, world, words):
     cfg = load_config(None, overrides)
