@@ -308,9 +308,9 @@ def _check_muon(cfg: Config, plan) -> None:
            "etp": (plan.etp, 1, "expert tensor parallelism splits each expert's matrices"),
            "ps_servers": (plan.ps_servers, 0, "the parameter server steps the optimizer itself"),
            "offload": (plan.offload, "none", "offload steps host copies of the state")}
-    for field, (value, ok, why) in fix.items():
+    for name, (value, ok, why) in fix.items():
         _require(value == ok, f"train.optimizer='muon' needs whole matrices on each rank and "
-                              f"{why}: set parallel.{field}={ok} (dp, cp, pp and ep keep them "
+                              f"{why}: set parallel.{name}={ok} (dp, cp, pp and ep keep them "
                               f"whole; the gathered update for the others is not built yet)")
     _require(plan.pp_schedule != "2bw", "train.optimizer='muon' with parallel.pp_schedule='2bw': "
              "PipeDream-2BW keeps two weight versions its own way; use another pp_schedule")
