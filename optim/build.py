@@ -50,7 +50,8 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
         t = train_cfg
         return MuonAdamW(muon_groups(model, t.weight_decay), t.lr, betas=(t.beta1, t.beta2),
                          eps=t.eps, momentum=t.muon_momentum, nesterov=t.muon_nesterov,
-                         ns_steps=t.muon_ns_steps, adjust_lr=t.muon_adjust_lr)
+                         ns_steps=t.muon_ns_steps, adjust_lr=t.muon_adjust_lr,
+                         ns_dtype=t.muon_ns_dtype)
     groups = param_groups(model, train_cfg.weight_decay)
     if train_cfg.optimizer == "adafactor":
         return Adafactor(groups, lr=train_cfg.lr, relative_step=train_cfg.adafactor_relative_step)

@@ -10,6 +10,8 @@ p <- p (1 - lr wd) and p <- p - lr' U, where lr' = lr sqrt(max(1, R / C)) ("orig
 lr 0.2 sqrt(max(R, C)) ("match_rms_adamw", Moonlight: AdamW's lr and weight decay carry over).
 A 2-D parameter takes exactly torch's operations (addmm); an expert bank [E, R, C] is E
 matrices, orthogonalised as one batch (baddbmm), each with its own norm and the lr' of R x C.
+The iterations run in bf16 as torch's do, or in fp32 (ns_dtype; train.py's auto: bf16 on CUDA,
+fp32 on a CPU, where bf16 matmuls without bf16 units are ~60x slower than fp32: measured here).
 
 The other groups take torch's own AdamW update (torch.optim.adam.adam with decoupled weight
 decay, the function torch.optim.AdamW calls), with its state (step, exp_avg, exp_avg_sq).
@@ -52,11 +54,22 @@ def split_params(model: nn.Module) -> tuple:
     return muon, rest
 
 
-def orthogonalise(u, coefficients, steps: int, eps: float) -> torch.Tensor:
-    """Newton-Schulz zeroth power of u [R, C] or of each u[e] of [E, R, C], in bf16."""
+NS_DTYPES = ("auto", "bf16", "fp32")
+
+
+def ns_dtype(choice: str, device) -> torch.dtype:
+    """The Newton-Schulz dtype: bf16 (torch.optim.Muon's) or fp32; auto = bf16 on CUDA, fp32
+    elsewhere (a CPU without bf16 matrix units runs bf16 matmuls ~60x slower than fp32 here)."""
+    if choice == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def orthogonalise(u, coefficients, steps: int, eps: float, dtype=torch.bfloat16) -> torch.Tensor:
+    """Newton-Schulz zeroth power of u [R, C] or of each u[e] of [E, R, C], in `dtype`."""
     a, b, c = coefficients
     tall = u.size(-2) > u.size(-1)
-    x = u.bfloat16()
+    x = u.to(dtype, copy=True)
     if tall:
         x = x.mT
     if x.ndim == 2:  # torch.optim.Muon's own operations
@@ -85,12 +98,14 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, groups, lr: float, *, betas=(0.9, 0.95), eps: float = 1e-8,
                  momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients=NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
-                 adjust_lr: str = "match_rms_adamw"):
+                 adjust_lr: str = "match_rms_adamw", ns_dtype: str = "bf16"):
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: use one of {ADJUST_LR}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype={ns_dtype!r}: use one of {NS_DTYPES}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, muon=False,
                         momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
-                        ns_steps=ns_steps, ns_eps=ns_eps, adjust_lr=adjust_lr)
+                        ns_steps=ns_steps, ns_eps=ns_eps, adjust_lr=adjust_lr, ns_dtype=ns_dtype)
         super().__init__(groups, defaults)
 
     @torch.no_grad()
@@ -114,7 +129,8 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(g))
             buf.lerp_(g, 1 - mu)
             update = g.lerp(buf, mu) if group["nesterov"] else buf
-            update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
+            update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["ns_eps"],
+                                   ns_dtype(group["ns_dtype"], p.device))
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
 

@@ -85,3 +85,24 @@ def test_the_split():
                  "blocks.1.ffn.experts.b1", "blocks.0.attn.wq.bias"):
         assert name in adam, name
     assert len(adam) + len(got) == len(list(model.parameters()))
+
+
+def test_fp32_newton_schulz_is_the_same_iteration():
+    """ns_dtype fp32 (train.py's default on CPU) runs torch's iteration in fp32: equal to the
+    same iteration in fp64 (1e-5) for a tall matrix and a bank; its singular values land in
+    the quintic's band (about 0.5-1.5, as torch.optim.Muon's docstring says of bf16)."""
+    from optim.muon import NS_COEFFICIENTS, orthogonalise
+    a, b, c = NS_COEFFICIENTS
+    g = torch.Generator().manual_seed(2)
+    for u in (torch.randn(48, 32, generator=g), torch.randn(3, 32, 48, generator=g)):
+        x = u.double().mT if u.size(-2) > u.size(-1) else u.double()
+        x = x / x.norm(dim=(-2, -1), keepdim=True)
+        for _ in range(5):
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        want = x.mT if u.size(-2) > u.size(-1) else x
+        got = orthogonalise(u, NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+        s = torch.linalg.svdvals(got.double())
+        assert s.min() > 0.3 and s.max() < 1.6, s
