@@ -11,7 +11,7 @@ lr 0.2 sqrt(max(R, C)) ("match_rms_adamw", Moonlight: AdamW's lr and weight deca
 A 2-D parameter takes exactly torch's operations (addmm); an expert bank [E, R, C] is E
 matrices, orthogonalised as one batch (baddbmm), each with its own norm and the lr' of R x C.
 The iterations run in bf16 as torch's do, or in fp32 (ns_dtype; train.py's auto: bf16 on CUDA,
-fp32 on a CPU, where bf16 matmuls without bf16 units are ~60x slower than fp32: measured here).
+fp32 on a CPU, where bf16 matmuls without bf16 units ran ~50x slower than fp32: measured here).
 
 The other groups take torch's own AdamW update (torch.optim.adam.adam with decoupled weight
 decay, the function torch.optim.AdamW calls), with its state (step, exp_avg, exp_avg_sq).
@@ -59,7 +59,7 @@ NS_DTYPES = ("auto", "bf16", "fp32")
 
 def ns_dtype(choice: str, device) -> torch.dtype:
     """The Newton-Schulz dtype: bf16 (torch.optim.Muon's) or fp32; auto = bf16 on CUDA, fp32
-    elsewhere (a CPU without bf16 matrix units runs bf16 matmuls ~60x slower than fp32 here)."""
+    elsewhere (a CPU without bf16 matrix units ran bf16 matmuls ~50x slower than fp32 here)."""
     if choice == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return torch.bfloat16 if choice == "bf16" else torch.float32

@@ -35,7 +35,7 @@ class TrainConfig:
     muon_momentum: float = _f(0.95, "muon: momentum of the matrices' buffer (torch.optim.Muon's default)")
     muon_nesterov: bool = _f(True, "muon: Nesterov momentum")
     muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations (coefficients 3.4445, -4.775, 2.0315, torch.optim.Muon's)")
-    muon_ns_dtype: str = _f("auto", "muon: Newton-Schulz precision, bf16 (torch.optim.Muon's) | fp32 | auto (bf16 on CUDA, fp32 on CPU: without bf16 matrix units bf16 matmuls were ~60x slower than fp32 on this machine)")
+    muon_ns_dtype: str = _f("auto", "muon: Newton-Schulz precision, bf16 (torch.optim.Muon's) | fp32 | auto (bf16 on CUDA, fp32 on CPU: without bf16 matrix units bf16 matmuls were ~50x slower than fp32 on this machine)")
     muon_adjust_lr: str = _f("match_rms_adamw", "muon: update scale, match_rms_adamw (lr x 0.2 sqrt(max(rows, cols)): AdamW's lr and weight decay carry over, Moonlight) | original (lr x sqrt(max(1, rows/cols)))")
     adafactor_relative_step: bool = _f(True, "adafactor: step = max(1e-3, RMS(param)) x min(lr, 1/sqrt(t)) (the paper's relative step, capped by the scheduled lr); false: step = the scheduled lr itself")
     weight_decay: float = _f(0.1, "weight decay on matrices (not on norms, biases, router)")
