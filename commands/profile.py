@@ -17,7 +17,7 @@ import sys
 from moe.profiling import profile_model
 
 from trainer.config import ConfigError, check_sections, load_config
-from trainer.model import build_model, init_fn, task_arch
+from trainer.model import build_one_process, task_arch
 
 
 def load_run_config(path, overrides=()):
@@ -30,13 +30,7 @@ def load_run_config(path, overrides=()):
 
 def build_initialised(cfg, device):
     """(one-process Parallelized handle, task arch) of the model train.py would build."""
-    from parallel.apply import parallelize
-    from parallel.plan import ParallelPlan
-    model = build_model(cfg, device)
-    init = init_fn(cfg, device)
-    if init is not None:
-        init(model)
-    return parallelize(model, ParallelPlan().validate(1)), task_arch(cfg)
+    return build_one_process(cfg, device), task_arch(cfg)
 
 
 def validation_batches(cfg, arch: str, n_batches: int, device):

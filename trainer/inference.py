@@ -11,8 +11,10 @@ The parallel section of the run is ignored: inference runs on one device (run.de
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe.aux import moe_layers
+
 from .config import ConfigError, check_sections, load_config
-from .model import build_model, init_fn, task_arch
+from .model import build_one_process, task_arch
 
 
 @dataclass
@@ -35,7 +37,6 @@ class LoadedRun:
 
 
 def load_run(run_dir, step=None, overrides=()) -> LoadedRun:
-    from parallel.apply import parallelize
     from parallel.plan import ParallelPlan
 
     from . import checkpoint
@@ -54,23 +55,14 @@ def load_run(run_dir, step=None, overrides=()) -> LoadedRun:
                           "sequence, which no causal decoding or dropless inference can follow; "
                           "inference needs a token-choice model")
     device = choose_device(cfg.run.device, 0)
-    model = build_model(cfg, device)
-    init = init_fn(cfg, device)
-    if init is not None:
-        init(model)
-    par = parallelize(model, ParallelPlan().validate(1))
+    par = build_one_process(cfg, device)
     checkpoint.load_model_weights(ckpt, par)
     model = par.model.eval()
-    for _, layer in _moe_layers(model):
+    for _, layer in moe_layers(model):
         layer.set_dropless_eval()
     info = checkpoint.read_trainer_state(ckpt)
     return LoadedRun(cfg, model, task_arch(cfg), ckpt, int(info["step"]),
                      int(info.get("world_size", 1)), device, trained_ep)
-
-
-def _moe_layers(model):
-    from moe.aux import moe_layers
-    return moe_layers(model)
 
 
 def _checkpoint(run_dir: Path, step):

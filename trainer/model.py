@@ -3,7 +3,7 @@ import models
 
 from .config import check_hf_layout, task_arch
 
-__all__ = ["build_model", "init_fn", "task_arch"]  # task_arch lives in config.py (validation uses it)
+__all__ = ["build_model", "init_fn", "build_one_process", "task_arch"]  # task_arch lives in config.py (validation uses it)
 
 
 def build_model(cfg, device):
@@ -22,3 +22,15 @@ def init_fn(cfg, device):
     if cfg.hf.family:
         return None
     return lambda m: models.init_weights(m, cfg.train.seed, device)
+
+
+def build_one_process(cfg, device):
+    """The model train.py would build, initialised, as a one-process Parallelized handle (the
+    profiler, generation and evaluation load checkpoints into it)."""
+    from parallel.apply import parallelize
+    from parallel.plan import ParallelPlan
+    model = build_model(cfg, device)
+    init = init_fn(cfg, device)
+    if init is not None:
+        init(model)
+    return parallelize(model, ParallelPlan().validate(1))
