@@ -20,7 +20,7 @@ from optim import DynamicLossScaler, WarmupCosine, build_optimizer
 from parallel.apply import parallelize
 from parallel.mesh import build_meshes
 
-from . import checkpoint, lock, telemetry
+from . import checkpoint, lock, membership, telemetry
 from .config import ConfigError, to_toml, validate
 from .distributed import barrier, init_distributed, shutdown
 from .execution import execution_for
@@ -111,7 +111,13 @@ def check_splits(cfg, train_sequences: int, val_sequences: int, dp: int) -> None
 
 
 def _run(cfg, ctx) -> int:
-    plan = validate(cfg, ctx.world_size)
+    try:
+        plan = validate(cfg, ctx.world_size)
+    except ConfigError as e:  # at another world size than last time: say so (elastic jobs)
+        if "parallel." not in str(e) or cfg.run.dir == AUTO:
+            raise
+        before = membership.read(cfg.run.dir)
+        raise ConfigError(membership.explain_layout_error(str(e), before, ctx.world_size)) from None
     fresh_auto = cfg.run.dir == AUTO
     cfg, resume_from = prepare_run(cfg, ctx)  # run.dir=auto resolved; printed on rank 0; locked
     fresh_auto = fresh_auto and resume_from is None
@@ -177,6 +183,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         start = info["step"]
     elif cfg.checkpoint.init_from:
         _init_from(cfg, ctx, par)
+    nodes = membership.gather(ctx)
     if ctx.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     log = MetricsLogger(run_dir, cfg.log, cfg.train.steps, start, ctx.is_main)
@@ -186,6 +193,8 @@ def _train(cfg, ctx, plan, resume_from) -> int:
             contextlib.closing(check) if check else contextlib.nullcontext(), \
             _parameter_server(cfg, ctx, plan, par, optimizer, start + 1) as ps:
         _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from)
+        if ctx.is_main:
+            _record_nodes(log, run_dir, nodes, start)
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
@@ -201,6 +210,18 @@ def _train(cfg, ctx, plan, resume_from) -> int:
             raise
         trainer.finish_save()
     return 0
+
+
+def _record_nodes(log, run_dir, nodes, start: int) -> None:
+    """Rank 0: one line when the nodes differ from the run's last start (a node lost or
+    regained under an elastic torchrun), then this start's nodes in run_dir/nodes.json."""
+    line = membership.change_line(membership.read(run_dir), nodes, start)
+    if line:
+        log.info(line)
+    warning = membership.shared_store_warning()
+    if warning:
+        log.info(warning)
+    membership.write(run_dir, nodes, start)
 
 
 def _save_group(cfg, ctx):

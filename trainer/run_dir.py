@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint, lock
+from . import checkpoint, lock, membership
 from .config import ConfigError, to_dict
 
 AUTO = "auto"
@@ -156,7 +156,7 @@ def _warn(line: str) -> None:
 
 
 # what a run writes before its first step (besides the lock, released before this is used)
-_BEFORE_FIRST_STEP = ("config.toml", "metrics.jsonl")
+_BEFORE_FIRST_STEP = ("config.toml", "metrics.jsonl", membership.FILE)
 
 
 def remove_unused_auto_dir(run_dir: Path) -> None:
@@ -178,5 +178,5 @@ def clear_run(run_dir: Path) -> None:
     """run.overwrite=true: remove what a previous run wrote (only our own files)."""
     shutil.rmtree(checkpoint.checkpoint_root(run_dir), ignore_errors=True)
     shutil.rmtree(run_dir / "tb", ignore_errors=True)
-    for name in ("metrics.jsonl", "config.toml"):
+    for name in ("metrics.jsonl", "config.toml", membership.FILE):
         (run_dir / name).unlink(missing_ok=True)
