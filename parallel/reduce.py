@@ -46,3 +46,9 @@ def sum_routing_stats(stats: RoutingStats, group) -> RoutingStats:
                         num_tokens=n, top_k=stats.top_k,
                         entropy=(packed[2 * E + 1] / max(n, 1)).float(),
                         rank_rows=stats.rank_rows, rank_rows_unreplicated=stats.rank_rows_unreplicated)
+
+
+# torch 2.13 names the single-tensor gather all_gather_single and warns on every call of its
+# old name (FutureWarning, once per process and call site: 16 lines in a 16-rank log); torch
+# before 2.13 (2.11 on the GPU machine) has only the old name. Same arguments either way.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtensors import local
+from ..reduce import all_gather_single
 from .grad_sync import settled_grad
 from .offload import same_optimizer, step_at_zero_lr, to_host, wait_for_copies
 
@@ -69,7 +70,7 @@ class _Slices:
         mine = torch.cat([s.detach() for s in slices]).to(self.device)
         rows = mine.new_empty(self.P * mine.numel())
         if self.P > 1:
-            dist.all_gather_into_tensor(rows, mine, group=self.group)
+            all_gather_single(rows, mine, group=self.group)
         else:
             rows.copy_(mine)
         rows = rows.view(self.P, -1)

@@ -25,6 +25,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..reduce import all_gather_single
+
 BLOCK = 256
 QMAX = 127.0
 
@@ -57,8 +59,8 @@ def quantized_all_gather(output_N: torch.Tensor, input_n: torch.Tensor, group) -
     q, scale = quantize(input_n)
     q_all = q.new_empty(P * q.numel())
     scale_all = scale.new_empty(P * scale.numel())
-    dist.all_gather_into_tensor(q_all, q, group=group)
-    dist.all_gather_into_tensor(scale_all, scale, group=group)
+    all_gather_single(q_all, q, group=group)
+    all_gather_single(scale_all, scale, group=group)
     rows = [dequantize(qr, sr, n) for qr, sr in zip(q_all.view(P, -1), scale_all.view(P, -1))]
     output_N.view(P, n).copy_(torch.stack(rows))
 
@@ -107,7 +109,7 @@ def fsdp_comms(weights: bool, grads: bool, comm_label=None):
     class QuantizedAllGather(_Alloc, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if not _is_float(input_tensor):  # mixed-dtype groups arrive as raw bytes
-                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                return all_gather_single(output_tensor, input_tensor, group=group,
                                                    async_op=async_op)
             with _label(comm_label, "zero_param_gather"):
                 quantized_all_gather(output_tensor, input_tensor, group)
