@@ -3,7 +3,11 @@
 A second run on the same directory would interleave checkpoints and metrics and could move
 the first run's newest checkpoint aside while it is being written, so it is refused at once.
 A lock whose process is gone (a crash, SIGKILL) is taken over. On another host the pid
-cannot be checked: the message says which file to delete if that run is really over.
+cannot be checked: the message says which file to delete if that run is really over --
+except for a lock taken by an earlier worker group of the same torchrun job (the same
+TORCHELASTIC_RUN_ID): torchrun stops every worker of a group before it starts the next one
+(a restart, a node lost or regained), so that holder is over wherever it ran, and an elastic
+job whose rank 0 moves to another host takes the lock over.
 """
 import json
 import os
@@ -39,7 +43,7 @@ def acquire(run_dir) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     me = {"pid": os.getpid(), "host": socket.gethostname(),
-          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+          "started": time.strftime("%Y-%m-%d %H:%M:%S"), "job": _torchrun_job()}
     for _ in range(3):  # a stale lock is removed, then created afresh (O_EXCL decides races)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -55,7 +59,15 @@ def acquire(run_dir) -> Path:
     raise ConfigError(f"cannot take {path}: other runs keep racing for it; use another run.dir")
 
 
+def _torchrun_job():
+    """This torchrun job's id (its rendezvous id), or None outside torchrun."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    return job if job and job != "none" else None
+
+
 def _live_elsewhere(other: dict, me: dict) -> bool:
+    if me["job"] is not None and other.get("job") == me["job"] and other.get("pid") != me["pid"]:
+        return False  # an earlier worker group of this torchrun job: stopped before this one
     if other.get("host") != me["host"]:
         return True  # cannot tell: assume alive
     return other.get("pid") != me["pid"] and _alive(int(other.get("pid", -1)))

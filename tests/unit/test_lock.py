@@ -48,3 +48,18 @@ def test_other_host_is_refused_with_the_file_to_delete_and_release_keeps_foreign
     (run / lock.LOCK).write_text("{torn")  # a holder that died mid-write
     lock.acquire(run)
     assert _holder(run) == os.getpid()
+
+
+def test_an_earlier_worker_group_of_the_same_torchrun_job_is_taken_over_on_any_host(tmp_path, monkeypatch):
+    """An elastic job's rank 0 can move to another host after a node change: the lock of the
+    job's earlier group (same TORCHELASTIC_RUN_ID) is over; another job's lock still refuses."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / lock.LOCK).write_text(json.dumps({"pid": 1, "host": "node7.invalid", "started": "x", "job": "moe1"}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other-job")
+    with pytest.raises(ConfigError, match="on host node7.invalid"):
+        lock.acquire(run)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "moe1")
+    lock.acquire(run)
+    holder = json.loads((run / lock.LOCK).read_text())
+    assert holder["pid"] == os.getpid() and holder["job"] == "moe1"
