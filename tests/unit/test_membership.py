@@ -35,3 +35,14 @@ def test_nodes_file_round_trip(tmp_path):
     assert read(tmp_path) == FOUR and not list(tmp_path.glob("*.tmp"))
     (tmp_path / "nodes.json").write_text("{broken")
     assert read(tmp_path) is None
+
+
+def test_shared_store_note_only_for_several_nodes_on_the_shared_store(monkeypatch):
+    from trainer.membership import shared_store_warning
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert shared_store_warning() is None  # one node: nothing to rejoin
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_warning()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert shared_store_warning() is None
