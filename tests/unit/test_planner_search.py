@@ -1,8 +1,9 @@
 """The bounded best-first search (parallel/planner/search.py) against the exhaustive one:
-the same top list, in the same order, at world 8 and 16 (configs/gshard_gpt.toml on H100s,
-where memory binds: the memory bounds prune too), and every bound below the prediction it
-bounds; the search's shared reads (pipeline ranks of one shape) give the exhaustive
-search's step times exactly."""
+the same top list, in the same order, at world 8 with cp 1 and 2 (configs/gshard_gpt.toml on
+H100s, where memory binds: the memory bounds prune too), and every bound below the prediction
+it bounds; the search's shared reads (pipeline ranks of one shape) give the exhaustive
+search's step times exactly. World 16 (150 s of exhaustive search, the suite's budget) is
+compared by `python bench/planner_scale.py` (exhaustive up to 16 by default: same top 10)."""
 import dataclasses
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from trainer.planning import workload_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KW = dict(zeros=(0, 1, 2, 3), offloads=("none", "optimizer"), zeropp=(False, True))
-CPS = {8: (1, 2), 16: (1,)}  # (cp 2 at world 16 doubles the exhaustive reference's time)
+CPS = {8: (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def gshard():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("world", [8, 16])
+@pytest.mark.parametrize("world", [8])
 def test_search_top_list_equals_the_exhaustive_one(gshard, world):
     cfg, w, costs = gshard
     hw = preset("h100")
