@@ -19,7 +19,12 @@ decay, the function torch.optim.AdamW calls), with its state (step, exp_avg, exp
 Which parameters are Muon's (split_params): the weights of nn.Linear layers and the [E, R, C]
 weight banks of the experts, except the output head (lm_head); AdamW's: embeddings, the head,
 norms, biases (the banks' b1/b2/b3 too), routers and gates. The matrix must be whole on the
-rank that steps it: trainer/config.py refuses the layouts that slice matrices.
+rank that computes its orthogonalisation. `MuonAdamW.orthogonaliser` says where that happens:
+WholeMatrices (this file) when every matrix is whole on its rank; parallel/muon.py's
+PieceOwners when a layout holds pieces of them (ZeRO slices and shards, tensor-parallel
+blocks): the pieces of each matrix go to one owner rank, which orthogonalises the whole
+matrix and sends each rank its piece of the result. The momentum and the update of the
+weights stay elementwise on the pieces.
 """
 import math
 
@@ -85,6 +90,16 @@ def orthogonalise(u, coefficients, steps: int, eps: float, dtype=torch.bfloat16)
     return x.mT if tall else x
 
 
+class WholeMatrices:
+    """The orthogonaliser when every Muon parameter is a whole matrix (or bank) on its rank."""
+
+    def __call__(self, params, updates, ns) -> list:
+        return [ns(u) for u in updates]
+
+    def shape(self, p) -> torch.Size:
+        return p.shape
+
+
 def adjusted_lr(lr: float, rule: str, shape) -> float:
     rows, cols = shape[-2], shape[-1]
     if rule == "original":
@@ -107,6 +122,7 @@ class MuonAdamW(torch.optim.Optimizer):
                         momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
                         ns_steps=ns_steps, ns_eps=ns_eps, adjust_lr=adjust_lr, ns_dtype=ns_dtype)
         super().__init__(groups, defaults)
+        self.orthogonaliser = WholeMatrices()  # parallel/muon.py sets the layout's own
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -124,15 +140,21 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, group, params) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        updates = []
         for p in params:
             g = p.grad
             buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(g))
             buf.lerp_(g, 1 - mu)
-            update = g.lerp(buf, mu) if group["nesterov"] else buf
-            update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["ns_eps"],
-                                   ns_dtype(group["ns_dtype"], p.device))
+            updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)
+        if not params:
+            return
+        dtype = ns_dtype(group["ns_dtype"], params[0].device)
+
+        def ns(u):
+            return orthogonalise(u, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], dtype)
+        for p, update in zip(params, self.orthogonaliser(params, updates, ns)):
             p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], self.orthogonaliser.shape(p)))
 
     def _adamw(self, group, params) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []

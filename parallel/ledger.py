@@ -26,6 +26,8 @@ Kind, from the op and the process group it runs on (mesh.py dims):
   tensor_parallel_depth     tp_mode 2.5d, over the stacked grids (tpd): weight-gradient sums
   pipeline                  send/recv and reductions over pp
   tied_embedding            the tied weight's gradient sum over the first/last stage pair
+  muon_orthogonalise        Muon's pieces of each matrix to its owner rank and the results
+                            back (two all_to_alls per group and step: parallel/muon.py)
   other                     everything else: the gradient-norm and overflow all_reduces,
                             expert-load sums (booked explicitly: on a world-sized dp the
                             group alone cannot tell them from gradient sync)
@@ -39,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = ("dp_grad_reduce", "zero_param_gather", "zero_grad_reduce_scatter", "expert_all_to_all",
          "expert_tensor_parallel", "tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
-         "tensor_parallel_depth", "pipeline", "tied_embedding", "context_parallel", "other")
+         "tensor_parallel_depth", "pipeline", "tied_embedding", "context_parallel",
+         "muon_orthogonalise", "other")
 GRID_KINDS = {"tpd": "tensor_parallel_depth", "tpr": "tensor_parallel_row", "tpc": "tensor_parallel_col"}
 DATA_DIMS = {"dp", "pool", "edp"}
 # op name -> (collective class, index of the argument holding this rank's input)

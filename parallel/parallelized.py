@@ -72,13 +72,18 @@ class Parallelized:
         """The optimizer to train with: for zero 1/2 a same-class optimizer over this rank's
         slices (it all-gathers the updated slices after each step), for zero 3 with
         offload=optimizer one over host copies of the shards; with offload=params the same
-        optimizer with its fused CPU step; else `optimizer`."""
+        optimizer with its fused CPU step; else `optimizer`. A MuonAdamW gets the layout's
+        orthogonaliser (parallel/muon.py: pieces of a matrix orthogonalised whole by an owner)."""
         if self.zero is not None:
             from .data_parallel.zero import shard_optimizer
-            return shard_optimizer(optimizer, self.zero)
-        if self.plan.offload == "params" and self.meshes is not None:
+            optimizer = shard_optimizer(optimizer, self.zero)
+        elif self.plan.offload == "params" and self.meshes is not None:
             from .data_parallel.offload import same_optimizer
             return same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
+        from optim.muon import MuonAdamW
+        if isinstance(optimizer, MuonAdamW) and self.meshes is not None:
+            from .muon import for_layout  # whole-matrix updates for the pieces this layout holds
+            optimizer.orthogonaliser = for_layout(optimizer, self.zero, self.kinds, self.comm_label)
         return optimizer
 
     def set_grad_sync(self, enabled: bool) -> None:

@@ -302,16 +302,22 @@ def _check_optimizer(cfg: Config, plan) -> None:
 
 
 def _check_muon(cfg: Config, plan) -> None:
-    """Muon orthogonalises whole matrices; these layouts hold pieces of them on a rank."""
-    fix = {"zero": (plan.zero, 0, "ZeRO slices or shards the matrices and their state"),
-           "tp": (plan.tp, 1, "tensor parallelism splits the matrices"),
-           "etp": (plan.etp, 1, "expert tensor parallelism splits each expert's matrices"),
+    """Muon orthogonalises whole matrices: ZeRO-1/2/3 and 1-D tensor parallelism hold pieces
+    that parallel/muon.py sends to an owner rank; these layouts are not handled by it."""
+    whole = "(dp, cp, pp, ep, ZeRO-1/2/3 and 1-D tp are handled)"
+    fix = {"etp": (plan.etp, 1, "expert tensor parallelism splits each expert's matrices"),
            "ps_servers": (plan.ps_servers, 0, "the parameter server steps the optimizer itself"),
-           "offload": (plan.offload, "none", "offload steps host copies of the state")}
+           "offload": (plan.offload, "none", "offload steps host copies of the state"),
+           "tp_mode": (plan.tp_mode, "1d", "the 2-D and 2.5-D grids split matrices two ways"),
+           "zeropp_hpz": (plan.zeropp_hpz, 0, "hpZ shards parameters over a 2-D mesh")}
     for name, (value, ok, why) in fix.items():
-        _require(value == ok, f"train.optimizer='muon' needs whole matrices on each rank and "
-                              f"{why}: set parallel.{name}={ok} (dp, cp, pp and ep keep them "
-                              f"whole; the gathered update for the others is not built yet)")
+        _require(value == ok, f"train.optimizer='muon' with parallel.{name}={value!r}: {why}, which "
+                              f"the gathered Muon update does not handle yet; set parallel.{name}={ok!r} "
+                              f"{whole}")
+    _require(plan.tp == 1 or plan.zero == 0,
+             f"train.optimizer='muon' with parallel.tp={plan.tp} and parallel.zero={plan.zero}: ZeRO "
+             f"would slice tensor-parallel blocks, which the gathered Muon update does not handle "
+             f"yet; set parallel.zero=0 or parallel.tp=1 {whole}")
     _require(plan.pp_schedule != "2bw", "train.optimizer='muon' with parallel.pp_schedule='2bw': "
              "PipeDream-2BW keeps two weight versions its own way; use another pp_schedule")
     _require(cfg.train.muon_ns_steps >= 1 and cfg.train.muon_momentum >= 0,

@@ -130,10 +130,15 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, make_optimizer=adamw):
+def adamw_of(model):
+    return adamw(model.parameters())
+
+
+def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, make_optimizer=adamw_of):
     """[(loss, grad_norm)] of this rank training one layout (spec: ParallelPlan fields) for
-    `steps` steps, each rank on its dp share of the global batch. inspect(par, optimizer,
-    step, comm_bytes) is called after each step, with the bytes the ledger counted in it."""
+    `steps` steps, each rank on its dp share of the global batch, with make_optimizer(model)
+    (AdamW by default). inspect(par, optimizer, step, comm_bytes) is called after each step,
+    with the bytes the ledger counted in it."""
     from parallel.apply import parallelize
     from parallel.mesh import build_meshes
     from parallel.plan import ParallelPlan
@@ -141,7 +146,7 @@ def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, mak
     meshes = build_meshes(plan)
     par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
     model = par.model
-    opt = par.prepare_optimizer(make_optimizer(model.parameters()))
+    opt = par.prepare_optimizer(make_optimizer(model))
     out = []
     for step in range(steps):
         x, y = my_rows(par, *batch(step, model_cfg.vocab_size))

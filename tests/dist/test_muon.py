@@ -1,0 +1,90 @@
+"""Muon (MuonAdamW: Muon for the hidden matrices and expert banks, AdamW for the rest) under
+layouts that hold pieces of matrices, against one process: the same tiny MoE GPT, weights and
+global batch, 5 steps (tests/dist/dense_common.py), Newton-Schulz in fp32.
+
+Each matrix's update is orthogonalised whole by its owner rank (parallel/muon.py), so a layout
+differs from one process only in the reduction order of the gradients. Checked per step: the
+loss and the gradient norm (2e-5 absolute + 1e-4 relative, the layout matrix's tolerance) and
+every parameter after the step against the one-process parameter (this rank's expert block
+under expert parallelism; 1e-5 absolute + 1e-4 relative of its largest value: the Newton-Schulz
+iterations pass the ~1e-7 differences of the reduced gradients on, a little amplified). The
+ledger books the exchange as `muon_orthogonalise`: two all_to_alls per group and step, each
+handing over the rank's pieces padded to the largest piece of each matrix (bytes checked
+against that formula), and nothing else of the step changes kind.
+"""
+import pytest
+import torch
+
+from optim.build import muon_groups
+from optim.muon import MuonAdamW
+from tests.dist import dense_common as dc
+from tests.dist.harness import run_distributed
+
+pytestmark = pytest.mark.dist
+ATOL, RTOL, P_ATOL, P_RTOL = 2e-5, 1e-4, 1e-5, 1e-4
+LAYOUTS = {2: [("dp2 zero1", {"dp": 2, "zero": 1}), ("dp2 zero2", {"dp": 2, "zero": 2}),
+               ("dp2 zero3", {"dp": 2, "zero": 3}), ("tp2", {"dp": 1, "tp": 2})],
+           4: [("dp4 ep2 zero3", {"dp": 4, "ep": 2, "zero": 3}),
+               ("dp2 tp2 ep2", {"dp": 2, "tp": 2, "ep": 2})]}
+
+
+def muon(model):
+    return MuonAdamW(muon_groups(model, 0.1), dc.LR, ns_dtype="fp32")
+
+
+def _reference(model_cfg, moe_cfg):
+    """[(loss, grad_norm)] and {name: parameter} after each step, one process."""
+    model = dc.make_model(model_cfg, moe_cfg)
+    opt = muon(model)
+    out, params = [], []
+    for step in range(dc.STEPS):
+        x, y = dc.batch(step, model_cfg.vocab_size)
+        loss = dc.task_loss(model(x), y) + dc.collect_aux_loss(model)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), dc.CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append((loss.item(), norm.item()))
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out, params
+
+
+def _expected_bytes(opt) -> int:
+    """Two all_to_alls per group and step, each handing over this rank's padded pieces."""
+    pieces = [d for d in opt.orthogonaliser.pieces.values() if d.size > 1]  # groups of one: local
+    return 2 * 4 * sum(max(d.numels()) for d in pieces)
+
+
+def _worker(rank, world):
+    model_cfg, moe_cfg = dc.configs()
+    ref, ref_params = _reference(model_cfg, moe_cfg)
+    out = {}
+    for name, spec in LAYOUTS[world]:
+        seen = []
+
+        def inspect(par, opt, step, comm):
+            diffs = []
+            for n, p in par.model.named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                want = dc.my_block(n, ref_params[step][n], par.meshes, par.plan)
+                diffs.append((n, (full.detach() - want).abs().max().item(),
+                              P_ATOL + P_RTOL * want.abs().max().item()))
+            seen.append((diffs, comm, _expected_bytes(opt), len(opt.orthogonaliser.pieces)))
+        losses = dc.train_layout(world, spec, model_cfg, moe_cfg, inspect=inspect, make_optimizer=muon)
+        out[name] = (losses, seen)
+    return ref, out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_muon_layouts_equal_one_process(world):
+    results = run_distributed(_worker, world, timeout=240)
+    for rank, (ref, out) in enumerate(results):
+        for name, (losses, seen) in out.items():
+            for step, ((l, g), (rl, rg)) in enumerate(zip(losses, ref)):
+                assert abs(l - rl) <= ATOL + RTOL * abs(rl), f"{name} step {step}: loss {l} vs {rl}"
+                assert abs(g - rg) <= ATOL + RTOL * abs(rg), f"{name} step {step}: norm {g} vs {rg}"
+            for step, (diffs, comm, want_bytes, n_pieces) in enumerate(seen):
+                bad = [(n, f"{d:.2e} > {b:.2e}") for n, d, b in diffs if d > b]
+                assert not bad, f"{name} rank {rank} step {step}: parameters differ: {bad}"
+                assert n_pieces > 0, f"{name}: no matrix is held in pieces"
+                assert comm.get("muon_orthogonalise") == want_bytes, (name, comm, want_bytes)
