@@ -200,7 +200,7 @@ def dtensor_pieces(p) -> "Pieces | None":
     if not isinstance(p, DTensor):
         return None
     shards = [pl for pl in p.placements if isinstance(pl, Shard)]
-    if not shards:
+    if not shards or p.device_mesh.size() == 1:  # whole here
         return None
     if p.device_mesh.ndim != 1 or len(p.placements) != 1:
         raise ValueError(f"a Muon matrix sharded as {p.placements} over a {p.device_mesh.ndim}-D mesh")

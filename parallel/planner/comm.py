@@ -55,6 +55,7 @@ from collections import Counter
 
 from ..ledger import KINDS, classify
 from .memory import act_bytes, local_tokens, micro_seqs
+from .rank_state import muon_facts
 
 
 def step_comm(w, plan, state) -> tuple:
@@ -86,6 +87,10 @@ def step_comm(w, plan, state) -> tuple:
         _tensor(w, plan, state, book, out, events)
     else:
         _grid_tensor(w, plan, state, book)
+    if w.optimizer == "muon" and muon_facts(state, plan) is not None:
+        for dim, size, pad in muon_facts(state, plan).exchange:  # to the owner and back
+            out["muon_orthogonalise"] += 2 * pad
+            events.append(("muon_orthogonalise", "a2a", dim, size, 2 * pad))
     out["other"] += 20
     return {k: out[k] for k in KINDS if out[k]}, events
 

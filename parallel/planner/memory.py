@@ -8,7 +8,9 @@ Model state (what ZeRO partitions; rank_state.py reads the local tensors):
              the shards
   optimizer  AdamW: 2 moments per stepped element + a 4-byte step per tensor, stepping
              params (zero 0, 3) or fp32 master slices (zero 1, 2, which count here too);
-             Adafactor: a row and a column statistic per matrix, a full one otherwise
+             Adafactor: a row and a column statistic per matrix, a full one otherwise;
+             Muon: one momentum buffer per element of its matrices (no step), AdamW's
+             state for the rest
 The *_by_device functions return {device: bytes}: "gpu" the accelerator, "cpu" the host.
 parallel.offload moves: optimizer -> the optimizer state and its fp32 masters (ZeRO-1/2's
 slices; under ZeRO-3 a host copy of every shard) to "cpu", and the held gradients with them
@@ -38,11 +40,14 @@ Phases (each on top of params + optimizer state):
   gradient sync   full gradients + the flat copy all_reduce_flat / reduce-scatter make of
                   the largest bucket (zero 3: the largest unit's unsharded gradient)
   optimizer step  held gradients + two temporaries of the largest parameter
-                  (zero 1/2: + the all-gathered rows of the largest bucket)
+                  (zero 1/2: + the all-gathered rows of the largest bucket; Muon on pieces:
+                  + the owner's received pieces, each owned matrix whole and two
+                  Newton-Schulz temporaries of it)
 """
 from dataclasses import dataclass
 
 from ..pipeline.schedules import in_flight
+from .rank_state import muon_facts
 
 LOSS_BYTES_PER_LOGIT = 12   # logits, fp32 log-softmax, their gradient (fp32 runs)
 DEVICE = "gpu"
@@ -73,11 +78,16 @@ def optimizer_bytes_by_device(state, plan, optimizer: str = "adamw") -> dict:
     sliced = plan.zero in (1, 2) and state.slices.count > 0
     stepped = state.slices if sliced else state.params
     master = stepped.bytes if sliced or (plan.zero == 3 and plan.offload == "optimizer") else 0
+    steps = stepped.count
     if optimizer == "adafactor":
         moments = sum(_factored(s) for s in stepped.shapes) * 4
+    elif optimizer == "muon" and muon_facts(state, plan) is not None:  # one buffer, no step
+        muon = muon_facts(state, plan)
+        moments = 2 * (stepped.bytes - muon.stepped_bytes) + muon.stepped_bytes
+        steps -= muon.stepped_count
     else:
         moments = 2 * stepped.bytes
-    return {HOST if plan.offload != "none" else DEVICE: master + moments + 4 * stepped.count}
+    return {HOST if plan.offload != "none" else DEVICE: master + moments + 4 * steps}
 
 
 def _factored(shape) -> int:
@@ -193,6 +203,8 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
         flat = max((b[5] if plan.zero == 2 else b[3] for b in state.buckets), default=0)
         sync = base + full_grads + flat
     step = base + ms["grads"].get(DEVICE, 0) + (2 * state.largest_param_bytes if plan.offload == "none" else 0)
+    if optimizer == "muon" and muon_facts(state, plan) is not None:
+        step += muon_facts(state, plan).gathered  # the owner's whole matrices (parallel/muon.py)
     if plan.zero in (1, 2) and state.slices.count:
         step += max(b[3] for b in state.buckets)
     return {"forward": int(forward), "grad_sync": int(sync), "optimizer_step": int(step),

@@ -11,6 +11,7 @@ The fake group needs a process without its own process group (the planner CLI, a
 a notebook before init_process_group).
 """
 import contextlib
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -86,6 +87,21 @@ class RankState:
     grid_grad_sums: dict            # tp_mode 2d/2.5d: {grid dim: local grad bytes all-reduced over
                                     # it} (params replicated there: their Partial gradients)
     groups: dict                    # group_dims(meshes)
+    muon: tuple = (None, None)      # MuonFacts without and with ZeRO-1/2 slices (muon_facts)
+
+
+@dataclass(frozen=True)
+class MuonFacts:
+    """train.optimizer=muon on this rank (optim/muon.py split, parallel/muon.py exchange):
+    stepped_bytes / stepped_count: the tensors Muon steps (momentum: one buffer each; ZeRO-1/2's
+    slices of the Muon matrices, else their local pieces); exchange: [(mesh dim, group size,
+    padded piece bytes)] per matrix held in pieces (two all_to_alls each move it); gathered:
+    the owner's transient bytes at the step (its receive buffer, each owned matrix whole and
+    two Newton-Schulz temporaries of it)."""
+    stepped_bytes: int = 0
+    stepped_count: int = 0
+    exchange: tuple = ()
+    gathered: int = 0
 
 
 def read_rank_state(build_model, plan: ParallelPlan, rank: int) -> RankState:
@@ -135,7 +151,53 @@ def _read(par, plan, rank) -> RankState:
                      slices, [int(n) for n in names], first, last, tied,
                      _nbytes(local(par.tied.param)) if tied else 0,
                      max((_nbytes(local(p)) for p in model.parameters()), default=0),
-                     _replicated_tp(model), _grid_grad_sums(model), groups)
+                     _replicated_tp(model), _grid_grad_sums(model), groups,
+                     _muon_facts(par, groups))
+
+
+def muon_facts(state, plan):
+    """The MuonFacts of `plan`'s ZeRO stage (a read with slices answers zero 0, 1 and 2)."""
+    return state.muon[plan.zero in (1, 2)]
+
+
+def _muon_facts(par, groups) -> tuple:
+    """(without slices, with ZeRO-1/2 slices): what Muon would step and exchange on this rank;
+    None where parallel/muon.py cannot hold the layout's pieces (trainer/config.py refuses)."""
+    whole = _muon_variant(par, groups, sliced=False)
+    return whole, (_muon_variant(par, groups, sliced=True) if par.zero is not None else whole)
+
+
+def _muon_variant(par, groups, sliced: bool):
+    from optim.muon import split_params
+    from ..muon import Pieces, dtensor_pieces, owners
+    muon_params, _ = split_params(par.model)
+    slice_of = par.zero.shard_of if sliced else {}
+    slice_group = {id(s): sl.group for sl in (par.zero.slices if sliced else ()) for s in sl.shards}
+    dim_of = {par.meshes.group(d).group_name: d for d in reversed(list(groups))} \
+        if par.meshes is not None else {}
+    stepped, by_group = Tensors(), {}
+    try:
+        for p in muon_params:
+            t = slice_of.get(id(p), p)
+            stepped.add(local(t))
+            d = Pieces(slice_group[id(t)], local(p).shape, "flat") if id(t) in slice_group \
+                else dtensor_pieces(p)
+            if d is not None and d.size > 1:
+                by_group.setdefault(d.group.group_name, []).append((d, local(t).element_size()))
+    except ValueError:  # a sharding parallel/muon.py does not take (config refuses the layout)
+        return None
+    except RuntimeError:  # a sub-mesh group the planner's fake world cannot resolve (zero 3 with
+        return None       # pipeline and ep): counted as AdamW's state, an overestimate
+    exchange, gathered = [], 0
+    for name, items in by_group.items():
+        P, me = items[0][0].size, dist.get_rank(items[0][0].group)
+        own = owners([d.shape for d, _ in items], P)
+        for i, (d, size) in enumerate(items):
+            pad = max(d.numels()) * size
+            exchange.append((dim_of.get(name), P, pad))
+            if own[i] == me:
+                gathered += P * pad + 3 * math.prod(d.shape) * size
+    return MuonFacts(stepped.bytes, stepped.count, tuple(exchange), gathered)
 
 
 def _replicated_tp(model) -> int:

@@ -141,11 +141,11 @@ def _state_parts(plan, sizes, optimizer: str) -> tuple:
     """(params + optimizer state, gradients): the least GPU bytes of each on a stage holding
     `sizes` = (dense, expert) bytes of the whole model's parameters: memory.py's model with
     bytes / tp dense over the dp x cp replicas and / (ep etp) expert over edp, AdamW's 2
-    moments (Adafactor: 0), ZeRO-1/2's fp32 master slices, offload's moves to the host."""
+    moments (Adafactor: 0; Muon: 1, its matrices' momentum, a bound for its AdamW rest), ZeRO-1/2's fp32 master slices, offload's moves to the host."""
     dense, expert = sizes
     persist = grads_total = 0.0
     for x, n in ((dense / plan.tp, plan.replicas), (expert / (plan.ep * plan.etp), plan.edp)):
-        moments = 0.0 if optimizer == "adafactor" else 2 * x
+        moments = {"adafactor": 0.0, "muon": x}.get(optimizer, 2 * x)  # muon: one buffer at least
         params, grads, opt = {0: (x, x, moments), 1: (x, x, (x + moments) / n),
                               2: (x, x / n, (x + moments) / n),
                               3: (x / n, x / n, moments / n)}[plan.zero]

@@ -19,7 +19,7 @@ class Workload:
     batch_size: int                # global sequences per optimizer step (train.batch_size)
     stream_tokens: dict            # {"decoder": S} (gpt) or {"encoder": S_in, "decoder": S_out}
     micro_batch_size: int = 0      # sequences per forward without pipeline (0 = whole per-rank batch)
-    optimizer: str = "adamw"       # adamw | adafactor
+    optimizer: str = "adamw"       # adamw | adafactor | muon
     imbalance: float = 1.0         # dropless MoE: rows the busiest expert-parallel rank receives / mean
     check: Callable = None         # plan -> validated plan, raising ValueError (default: ParallelPlan.validate)
     build_stage: Callable = None   # (block ids) -> the model with only those blocks its own

@@ -30,6 +30,7 @@ TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.d_ff=6
         "train.warmup_steps=2", "train.steps=2", "checkpoint.at_end=false",
         "log.tensorboard=false", "log.progress=none"]
 SWITCH = ["model.arch=switch", "model.vocab_size=384", "model.n_layers=2"]  # + sentinel ids
+MUON = ["train.optimizer=muon"]
 LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep are inside the
     # zero-1 and composed layouts (same all-reduce and all-to-all terms), to keep the launches few
     (1, {}),
@@ -54,6 +55,10 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # over cp=2 inside dp=2 with ZeRO-3
     (2, {"dp": 1, "cp": 2, "ep": 2, "zero": 1}),
     (4, {"dp": 2, "cp": 2, "cp_mode": "ulysses", "zero": 3}),
+    # Muon: one momentum buffer per matrix element, its pieces to their owners and back
+    # (ZeRO-1 slices; tensor-parallel blocks)
+    (2, {"dp": 2, "zero": 1}, MUON),
+    (2, {"dp": 1, "tp": 2}, MUON),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
@@ -100,7 +105,7 @@ def test_planner_predicts_measured_runs(tmp_path):
             for i, (world, spec, *extra) in enumerate(LAYOUTS)]
     measured = _measure_all(jobs, tmp_path)
     for (world, spec, *extra), (_, args), recs in zip(LAYOUTS, jobs, measured):
-        name = f"w{world} " + ("switch " if extra else "") + \
+        name = f"w{world} " + ({tuple(SWITCH): "switch ", tuple(MUON): "muon "}[tuple(extra[0])] if extra else "") + \
             (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
         pred = _predict(world, args)
         stage = pred.rank0()
