@@ -98,14 +98,15 @@ def owners(shapes: list, P: int) -> list:
     return out
 
 
-def exchange(pieces: list, updates: list, ns) -> list:
+def exchange(pieces: list, updates: list, ns, assign=owners) -> list:
     """Collective over pieces[0].group: every rank's orthogonalised pieces of the matrices
-    (pieces[i] describes matrix i; updates[i] this rank's piece of its update)."""
+    (pieces[i] describes matrix i; updates[i] this rank's piece of its update); assign(shapes,
+    P) chooses the owners (bench/muon.py compares a single owner)."""
     group = pieces[0].group
     P, me = dist.get_world_size(group), dist.get_rank(group)
     if P == 1:  # a group of one (e.g. expert banks with no data-parallel copies): no exchange
         return [d.cut(ns(d.assemble([u.reshape(-1)])).to(u.dtype))[0] for d, u in zip(pieces, updates)]
-    own = owners([d.shape for d in pieces], P)
+    own = assign([d.shape for d in pieces], P)
     pad = [max(d.numels()) for d in pieces]
     mine = [i for i in range(len(pieces)) if own[i] == me]
     dtype, device = updates[0].dtype, updates[0].device
@@ -150,8 +151,8 @@ class PieceOwners:
     expert, so no two ranks wait on each other's groups in opposite orders); comm_label(kind):
     the ledger's labelling context (or None)."""
 
-    def __init__(self, pieces: dict, groups: list, comm_label=None):
-        self.pieces, self.groups, self.comm_label = pieces, groups, comm_label
+    def __init__(self, pieces: dict, groups: list, comm_label=None, assign=owners):
+        self.pieces, self.groups, self.comm_label, self.assign = pieces, groups, comm_label, assign
 
     def shape(self, p) -> torch.Size:
         d = self.pieces.get(id(p))
@@ -169,7 +170,7 @@ class PieceOwners:
                 if not ks:
                     continue
                 locals_ = [_local(updates[k]) for k in ks]
-                done = exchange([self.pieces[id(params[k])] for k in ks], locals_, ns)
+                done = exchange([self.pieces[id(params[k])] for k in ks], locals_, ns, self.assign)
                 for k, loc, flat in zip(ks, locals_, done):
                     out[k] = _like(updates[k], flat.view(loc.shape))
         return out
