@@ -1,7 +1,8 @@
 """What experts buy: the scaling study, on your config and data.
 
   python -m trainer.study scaling --config F [--experts 1,2,4,8,16,32] [--top-k K]
-                                  [--steps N] [--out DIR] [--nproc P] [section.field=value ...]
+                                  [--steps N] [--out DIR] [--nproc P] [--optimizers adamw,muon]
+                                  [section.field=value ...]
 
 Trains, with the same data, seed, schedule and token budget, a dense model (E = 1) and MoE
 models that differ only in the number of experts E, at equal active parameters and FLOPs per
@@ -15,6 +16,14 @@ a rerun skips finished points and resumes an interrupted one. Results: DIR/study
 DIR/study.csv, DIR/study.png (commands/study_fit.py: curves, fits). --nproc P runs each point
 under torchrun with P processes (e.g. with parallel.ep=2: each MoE point uses ep = gcd(ep, E);
 layouts compute the same function, so the numbers are those of one process).
+
+--optimizers adamw,muon trains every dense and MoE point once per optimizer (train.optimizer;
+directories <point>-<optimizer>), on the same data, seed and schedule; the dense ladder and
+the fits use the first optimizer's points. "tokens to dense" is always measured against the
+dense model of the first optimizer (AdamW's, the usual baseline), so a Muon point shows the
+tokens it needs to reach AdamW's dense loss; study.json keeps every point's validation curve
+(tokens, loss) and the table below the main one shows them at a quarter, half, three quarters
+and the end of the budget.
 """
 import argparse
 import csv
@@ -29,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("point", "experts", "top_k", "total_params", "active_params", "router_params", "tokens",
           "final_val_loss", "best_val_loss", "steps_to_dense", "tokens_to_dense",
-          "seconds_to_dense", "wall_s", "tokens_per_s", "step_time_ratio", "dense_multiplier")
+          "seconds_to_dense", "wall_s", "tokens_per_s", "step_time_ratio", "dense_multiplier",
+          "optimizer")
 
 
 def _args(argv):
@@ -45,6 +55,9 @@ def _args(argv):
     sc.add_argument("--nproc", type=int, default=1, help="processes per point (torchrun when > 1)")
     sc.add_argument("--dense-ladder", default="2,4",
                     help="extra dense widths (multiples of model.d_ff) for the effective-multiplier law; '' = none")
+    sc.add_argument("--optimizers", default=None,
+                    help="comma list of train.optimizer values, each point trained with each (e.g. "
+                         "adamw,muon; default: the config's train.optimizer alone)")
     sc.add_argument("overrides", nargs="*", help="section.field=value applied to every point")
     return ap.parse_args(argv)
 
@@ -62,6 +75,18 @@ def _points(base, experts: list, K: int, ladder: list, ep: int) -> list:
                                             f"parallel.ep={math.gcd(ep, E)}"]))
     for m in ladder:
         out.append((f"dense_x{m}", "dense_ladder", 1, ["moe.every=0", "parallel.ep=1", f"model.d_ff={F * m}"]))
+    return out
+
+
+def _with_optimizers(points: list, optimizers: list) -> list:
+    """[(name, kind, E, overrides, optimizer)]: one optimizer keeps the names; several train
+    every dense and MoE point with each (<name>-<optimizer>), the ladder with the first."""
+    if len(optimizers) == 1:
+        return [(n, k, E, over + [f"train.optimizer={optimizers[0]}"], optimizers[0]) for n, k, E, over in points]
+    out = []
+    for n, k, E, over in points:
+        for opt in (optimizers if k != "dense_ladder" else optimizers[:1]):
+            out.append((f"{n}-{opt}", k, E, over + [f"train.optimizer={opt}"], opt))
     return out
 
 
@@ -133,16 +158,20 @@ def run_study(argv) -> int:
     _check(base, experts, K, steps, args.nproc)
     out = Path(args.out or f"runs/study-{base.run.name}")
     eval_every = max(1, steps // 10)
-    points = _points(base, experts, K, ladder, base.parallel.ep)
+    optimizers = [o.strip() for o in (args.optimizers or base.train.optimizer).split(",") if o.strip()]
+    if not optimizers or len(set(optimizers)) != len(optimizers):
+        from trainer.config import ConfigError
+        raise ConfigError(f"--optimizers {args.optimizers!r}: give distinct train.optimizer values, e.g. adamw,muon")
+    points = _with_optimizers(_points(base, experts, K, ladder, base.parallel.ep), optimizers)
     cfgs = {}
-    for name, kind, E, over in points:   # every point's config checked before any run
+    for name, kind, E, over, _ in points:   # every point's config checked before any run
         cfgs[name] = load_config(args.config, args.overrides + _point_cfg(args, [], over, steps, eval_every, out / name))
         validate(cfgs[name], args.nproc)
     out.mkdir(parents=True, exist_ok=True)
     print(f"study: {len(points)} points x {steps} steps ({base.train.batch_size} x {base.data.seq_len} "
           f"tokens per step), top-{K}, experts of d_ff {base.model.d_ff // K} -> {out}", flush=True)
     t0 = time.perf_counter()
-    for i, (name, kind, E, over) in enumerate(points, 1):
+    for i, (name, kind, E, over, _) in enumerate(points, 1):
         if _done(out / name, steps):
             print(f"[{i}/{len(points)}] {name}: done, skipped", flush=True)
             continue
@@ -157,20 +186,21 @@ def run_study(argv) -> int:
 
 def _collect(out, points, cfgs, K, sf) -> dict:
     rows = []
-    for name, kind, E, _ in points:
+    for name, kind, E, _, opt in points:
         cfg = cfgs[name]
         p = sf.read_point(out / name)
         if not p["evals"]:
             from trainer.config import ConfigError
             raise ConfigError(f"point {name} logged no validation loss; raise --steps")
         tps = cfg.train.batch_size * cfg.data.seq_len
-        rows.append(dict(point=name, kind=kind, experts=E, top_k=K if kind == "moe" else None,
+        rows.append(dict(point=name, optimizer=opt, kind=kind, experts=E, top_k=K if kind == "moe" else None,
                          label=name, tokens_per_step=tps, evals=p["evals"], **_counts(cfg),
                          tokens=tps * len(p["rows"]), final_val_loss=p["evals"][-1][1],
                          best_val_loss=min(v for _, v in p["evals"]), wall_s=sum(p["step_times"]),
                          median_step_s=sf.median_step(p), _point=p))
-    dense = next(r for r in rows if r["kind"] == "dense")
-    ladder = [r for r in rows if r["kind"] in ("dense", "dense_ladder")]
+    first = rows[0]["optimizer"]
+    dense = next(r for r in rows if r["kind"] == "dense" and r["optimizer"] == first)
+    ladder = [r for r in rows if r["kind"] in ("dense", "dense_ladder") and r["optimizer"] == first]
     law = sf.dense_law([r["active_params"] for r in ladder], [r["final_val_loss"] for r in ladder])
     for r in rows:
         r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] else None
@@ -178,7 +208,7 @@ def _collect(out, points, cfgs, K, sf) -> dict:
         r["steps_to_dense"], r["tokens_to_dense"], r["seconds_to_dense"] = \
             sf.reach(r.pop("_point"), dense["final_val_loss"], r["tokens_per_step"])
         r["dense_multiplier"] = sf.multiplier(law, r["final_val_loss"], dense["active_params"])
-    routed = [r for r in rows if r["kind"] != "dense_ladder"]
+    routed = [r for r in rows if r["kind"] != "dense_ladder" and r["optimizer"] == first]
     fitted = sf.fit([r["experts"] for r in routed], [r["final_val_loss"] for r in routed]) \
         if len(routed) >= 2 else None
     ladder_losses = {r["point"]: round(r["final_val_loss"], 4) for r in ladder}
@@ -199,18 +229,22 @@ def _write(out, results, K, steps, sf) -> None:
         for r in results["points"]:
             w.writerow(r)
     if results["fit"] is not None:
-        sf.plot(out / "study.png", results["points"], results["fit"])
+        first = results["points"][0]["optimizer"]  # the fits are the first optimizer's
+        sf.plot(out / "study.png", [r for r in results["points"] if r["optimizer"] == first], results["fit"])
     _print_table(results)
 
 
 def _print_table(results) -> None:
-    print(f"{'point':<10} {'E':>3} {'total M':>8} {'active M':>9} {'final val':>9} {'best val':>9} "
+    w = max(10, *(len(r["point"]) for r in results["points"]))
+    print(f"{'point':<{w}} {'E':>3} {'total M':>8} {'active M':>9} {'final val':>9} {'best val':>9} "
           f"{'tok to dense':>12} {'step x dense':>12} {'x dense size':>12}")
     for r in results["points"]:
         to = f"{r['tokens_to_dense']:,}" if r["tokens_to_dense"] else "-"
         mult = f"{r['dense_multiplier']:.2f}" if r["dense_multiplier"] else "-"
-        print(f"{r['point']:<10} {r['experts']:>3} {r['total_params'] / 1e6:>8.2f} {r['active_params'] / 1e6:>9.3f} "
+        print(f"{r['point']:<{w}} {r['experts']:>3} {r['total_params'] / 1e6:>8.2f} {r['active_params'] / 1e6:>9.3f} "
               f"{r['final_val_loss']:>9.4f} {r['best_val_loss']:>9.4f} {to:>12} {r['step_time_ratio']:>12.2f} {mult:>12}")
+    if len({r["optimizer"] for r in results["points"]}) > 1:
+        _print_curves(results["points"], w)
     law = results["dense_law"]
     if law and "none" in law:
         print(law["none"])
@@ -225,6 +259,21 @@ def _print_table(results) -> None:
             s = f["saturating"]
             print(f"saturating: a={s['a']:.4f} b={s['b']:.4f} E_start={s['E_start']} E_max={s['E_max']} "
                   f"(SSE {s['sse']:.2e}); better by AIC: {f['better']}")
+
+
+def _print_curves(rows, w) -> None:
+    """Validation loss against tokens: at the evaluation nearest a quarter, half, three
+    quarters and all of the budget (several optimizers: one curve per point and optimizer)."""
+    curves = {r["point"]: [(step * r["tokens_per_step"], v) for step, v in r["evals"]] for r in rows}
+    budget = max(t for c in curves.values() for t, _ in c)
+    marks = [budget * q // 4 for q in (1, 2, 3, 4)]
+    print(f"\nvalidation loss at tokens (dense reference: {rows[0]['point']})")
+    print(f"{'point':<{w}} " + " ".join(f"{m:>10,}" for m in marks))
+    for r in rows:
+        if r["kind"] == "dense_ladder":
+            continue
+        at = [min(curves[r["point"]], key=lambda e: abs(e[0] - m))[1] for m in marks]
+        print(f"{r['point']:<{w}} " + " ".join(f"{v:>10.4f}" for v in at))
 
 
 def main(argv=None) -> int:

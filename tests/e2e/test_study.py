@@ -83,3 +83,26 @@ def test_study_on_the_switch_encoder_decoder_top1(tmp_path, cache):
     assert pts["E1_dense"]["active_params"] == pts["E2"]["active_params"] < pts["E2"]["total_params"]
     assert (out_dir / "study.png").stat().st_size > 0
     assert _toml(out_dir / "E2" / "config.toml")["model"]["arch"] == "switch"
+
+
+def test_study_with_two_optimizers(tmp_path, cache):
+    """--optimizers adamw,muon: every point once per optimizer on the same tokens; tokens to
+    dense are measured against AdamW's dense loss; the curves table lists every point."""
+    out_dir = tmp_path / "opt"
+    out = _study(["--experts", "1,2", "--steps", "4", "--out", str(out_dir), "--dense-ladder", "",
+                  "--optimizers", "adamw,muon", *TINY, f"data.cache_dir={cache}"])
+    res = json.loads((out_dir / "study.json").read_text())
+    pts = {p["point"]: p for p in res["points"]}
+    assert list(pts) == ["E1_dense-adamw", "E1_dense-muon", "E2-adamw", "E2-muon"]
+    assert {p["optimizer"] for p in pts.values()} == {"adamw", "muon"}
+    assert _toml(out_dir / "E2-muon" / "config.toml")["train"]["optimizer"] == "muon"
+    assert len({p["tokens"] for p in pts.values()}) == 1  # the same token budget
+    dense = pts["E1_dense-adamw"]
+    assert dense["tokens_to_dense"] == dense["tokens"] and dense["step_time_ratio"] == 1.0
+    for p in pts.values():  # reached AdamW's dense loss within the budget, or not (None)
+        assert p["tokens_to_dense"] is None or 0 < p["tokens_to_dense"] <= p["tokens"]
+        if p["tokens_to_dense"] is None:
+            assert p["final_val_loss"] > dense["final_val_loss"]
+    assert "validation loss at tokens" in out.stdout and "E2-muon" in out.stdout.split("validation loss at tokens")[1]
+    bad = _study(["--optimizers", "adamw,adamw", "--out", str(tmp_path / "bad"), *TINY], check=False)
+    assert bad.returncode == 2 and "--optimizers" in bad.stderr and not (tmp_path / "bad").exists()
