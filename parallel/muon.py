@@ -20,7 +20,9 @@ The pieces (Pieces.split):
   flat  ZeRO-1/2: the matrix flattened, zero-padded to P*L and cut in P rows of L
         (data_parallel/zero.py's slices);
   dim   a DTensor on a 1-D mesh with Shard(dim): torch.chunk's pieces along dim (the last ones
-        shorter or empty), as FSDP2 (ZeRO-3) and 1-D tensor parallelism shard parameters.
+        shorter or empty), as FSDP2 (ZeRO-3) and 1-D tensor parallelism shard parameters; and
+        expert tensor parallelism's d_ff blocks of an expert bank over the etp group (plain
+        tensors, equal blocks: moe/expert_tp.py).
 A DTensor with Replicate holds the whole matrix: orthogonalised where it is (every replica
 computes the same). Matrices no group splits (one rank's expert bank under plain expert
 parallelism) stay on their rank.
@@ -194,6 +196,23 @@ def _like(u, local_piece):
     return local_piece
 
 
+def pieces_of(model_p, name: str, slice_group=None, etp_group=None) -> "Pieces | None":
+    """How the layout holds Muon matrix `model_p` (`name` in the model): ZeRO-1/2's flat slices
+    over slice_group, expert tensor parallelism's d_ff blocks over etp_group, a DTensor's shards;
+    None when it is whole on this rank."""
+    from moe.expert_tp import FFN_DIMS
+    from .dtensors import local
+    from .kinds import is_expert_param
+    if slice_group is not None:
+        return Pieces(slice_group, local(model_p).shape, "flat")
+    pname = name.rpartition(".")[2]
+    if etp_group is not None and is_expert_param(name) and pname in FFN_DIMS:
+        shape = list(model_p.shape)
+        shape[FFN_DIMS[pname]] *= dist.get_world_size(etp_group)
+        return Pieces(etp_group, torch.Size(shape), "dim", FFN_DIMS[pname])
+    return dtensor_pieces(model_p)
+
+
 def dtensor_pieces(p) -> "Pieces | None":
     """A DTensor parameter sharded on a 1-D mesh: its Pieces; None when it is whole on every
     rank (Replicate, or not a DTensor). ValueError for shardings the exchange does not
@@ -208,14 +227,16 @@ def dtensor_pieces(p) -> "Pieces | None":
     return Pieces(p.device_mesh.get_group(), p.shape, "dim", shards[0].dim % p.dim())
 
 
-def for_layout(optimizer, zero_state, kinds: dict, comm_label=None) -> PieceOwners:
-    """The orthogonaliser of `optimizer` (a MuonAdamW, after prepare_optimizer) on this layout.
+def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_group=None) -> PieceOwners:
+    """The orthogonaliser of `optimizer` (a MuonAdamW, after prepare_optimizer) for `model`
+    on this layout.
 
     zero_state: data_parallel.zero.ZeroState under ZeRO-1/2 (the optimizer then steps its flat
     slices), else None (DTensor shards and blocks, or whole matrices); kinds: {id(model
-    param): "dense" | "pool" | "expert"} (parallel/kinds.py), for the order of the groups."""
-    from .dtensors import local
+    param): "dense" | "pool" | "expert"} (parallel/kinds.py), for the order of the groups;
+    etp_group: expert tensor parallelism's group (its banks' d_ff blocks), or None."""
     order = {"dense": 0, "pool": 1, "expert": 2}
+    names = {id(p): n for n, p in model.named_parameters()}
     model_of = zero_state.model_param_of() if zero_state is not None else {}
     slice_group = {id(s): sl.group for sl in (zero_state.slices if zero_state is not None else ())
                    for s in sl.shards}
@@ -225,10 +246,7 @@ def for_layout(optimizer, zero_state, kinds: dict, comm_label=None) -> PieceOwne
             continue
         for p in g["params"]:
             model_p = model_of.get(id(p), p)
-            if id(p) in slice_group:
-                d = Pieces(slice_group[id(p)], local(model_p).shape, "flat")
-            else:
-                d = dtensor_pieces(p)
+            d = pieces_of(model_p, names.get(id(model_p), ""), slice_group.get(id(p)), etp_group)
             if d is None:
                 continue
             pieces[id(p)] = d

@@ -83,7 +83,9 @@ class Parallelized:
         from optim.muon import MuonAdamW
         if isinstance(optimizer, MuonAdamW) and self.meshes is not None:
             from .muon import for_layout  # whole-matrix updates for the pieces this layout holds
-            optimizer.orthogonaliser = for_layout(optimizer, self.zero, self.kinds, self.comm_label)
+            etp = self.meshes.group("etp") if self.plan.etp > 1 else None
+            optimizer.orthogonaliser = for_layout(optimizer, self.model, self.zero, self.kinds,
+                                                  self.comm_label, etp)
         return optimizer
 
     def set_grad_sync(self, enabled: bool) -> None:

@@ -304,9 +304,8 @@ def _check_optimizer(cfg: Config, plan) -> None:
 def _check_muon(cfg: Config, plan) -> None:
     """Muon orthogonalises whole matrices: ZeRO-1/2/3 and 1-D tensor parallelism hold pieces
     that parallel/muon.py sends to an owner rank; these layouts are not handled by it."""
-    whole = "(dp, cp, pp, ep, ZeRO-1/2/3 and 1-D tp are handled)"
-    fix = {"etp": (plan.etp, 1, "expert tensor parallelism splits each expert's matrices"),
-           "ps_servers": (plan.ps_servers, 0, "the parameter server steps the optimizer itself"),
+    whole = "(dp, cp, pp, ep, ZeRO-1/2/3, 1-D tp and etp are handled)"
+    fix = {"ps_servers": (plan.ps_servers, 0, "the parameter server steps the optimizer itself"),
            "offload": (plan.offload, "none", "offload steps host copies of the state"),
            "tp_mode": (plan.tp_mode, "1d", "the 2-D and 2.5-D grids split matrices two ways"),
            "zeropp_hpz": (plan.zeropp_hpz, 0, "hpZ shards parameters over a 2-D mesh")}
@@ -314,6 +313,10 @@ def _check_muon(cfg: Config, plan) -> None:
         _require(value == ok, f"train.optimizer='muon' with parallel.{name}={value!r}: {why}, which "
                               f"the gathered Muon update does not handle yet; set parallel.{name}={ok!r} "
                               f"{whole}")
+    _require(plan.etp == 1 or plan.zero == 0,
+             f"train.optimizer='muon' with parallel.etp={plan.etp} and parallel.zero={plan.zero}: ZeRO "
+             f"would slice expert-tensor-parallel blocks, which the gathered Muon update does not "
+             f"handle yet; set parallel.zero=0 or parallel.etp=1 {whole}")
     _require(plan.tp == 1 or plan.zero == 0,
              f"train.optimizer='muon' with parallel.tp={plan.tp} and parallel.zero={plan.zero}: ZeRO "
              f"would slice tensor-parallel blocks, which the gathered Muon update does not handle "

@@ -169,8 +169,10 @@ def _muon_facts(par, groups) -> tuple:
 
 def _muon_variant(par, groups, sliced: bool):
     from optim.muon import split_params
-    from ..muon import Pieces, dtensor_pieces, owners
+    from ..muon import owners, pieces_of
     muon_params, _ = split_params(par.model)
+    names = {id(p): n for n, p in par.model.named_parameters()}
+    etp = par.meshes.group("etp") if par.plan.etp > 1 and par.meshes is not None else None
     slice_of = par.zero.shard_of if sliced else {}
     slice_group = {id(s): sl.group for sl in (par.zero.slices if sliced else ()) for s in sl.shards}
     dim_of = {par.meshes.group(d).group_name: d for d in reversed(list(groups))} \
@@ -180,8 +182,7 @@ def _muon_variant(par, groups, sliced: bool):
         for p in muon_params:
             t = slice_of.get(id(p), p)
             stepped.add(local(t))
-            d = Pieces(slice_group[id(t)], local(p).shape, "flat") if id(t) in slice_group \
-                else dtensor_pieces(p)
+            d = pieces_of(p, names.get(id(p), ""), slice_group.get(id(t)), etp)
             if d is not None and d.size > 1:
                 by_group.setdefault(d.group.group_name, []).append((d, local(t).element_size()))
     except ValueError:  # a sharding parallel/muon.py does not take (config refuses the layout)

@@ -1,5 +1,6 @@
 """Muon (MuonAdamW: Muon for the hidden matrices and expert banks, AdamW for the rest) under
-layouts that hold pieces of matrices, against one process: the same tiny MoE GPT, weights and
+layouts that hold pieces of matrices (ZeRO-1/2 slices, ZeRO-3 shards, 1-D tensor-parallel
+blocks, expert-tensor-parallel d_ff blocks), against one process: the same tiny MoE GPT, weights and
 global batch, 5 steps (tests/dist/dense_common.py), Newton-Schulz in fp32.
 
 Each matrix's update is orthogonalised whole by its owner rank (parallel/muon.py), so a layout
@@ -25,7 +26,8 @@ ATOL, RTOL, P_ATOL, P_RTOL = 2e-5, 1e-4, 1e-5, 1e-4
 LAYOUTS = {2: [("dp2 zero1", {"dp": 2, "zero": 1}), ("dp2 zero2", {"dp": 2, "zero": 2}),
                ("dp2 zero3", {"dp": 2, "zero": 3}), ("tp2", {"dp": 1, "tp": 2})],
            4: [("dp4 ep2 zero3", {"dp": 4, "ep": 2, "zero": 3}),
-               ("dp2 tp2 ep2", {"dp": 2, "tp": 2, "ep": 2})]}
+               ("dp2 tp2 ep2", {"dp": 2, "tp": 2, "ep": 2}),
+               ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2})]}
 
 
 def muon(model):
