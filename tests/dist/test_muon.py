@@ -1,7 +1,8 @@
 """Muon (MuonAdamW: Muon for the hidden matrices and expert banks, AdamW for the rest) under
 layouts that hold pieces of matrices (ZeRO-1/2 slices, ZeRO-3 shards, 1-D tensor-parallel
 blocks, expert-tensor-parallel d_ff blocks) and under pp2 (whole matrices per stage, the tied
-head on the last stage), against one process: the same tiny MoE GPT, weights and
+head on the last stage) and one world-8 composition (dp2 x tp2 x pp2 x ep2), against one
+process: the same tiny MoE GPT, weights and
 global batch, 5 steps (tests/dist/dense_common.py), Newton-Schulz in fp32.
 
 Each matrix's update is orthogonalised whole by its owner rank (parallel/muon.py), so a layout
@@ -30,7 +31,8 @@ LAYOUTS = {2: [("dp2 zero1", {"dp": 2, "zero": 1}), ("dp2 zero2", {"dp": 2, "zer
                ("pp2", {"dp": 1, "pp": 2, "microbatches": 2})],
            4: [("dp4 ep2 zero3", {"dp": 4, "ep": 2, "zero": 3}),
                ("dp2 tp2 ep2", {"dp": 2, "tp": 2, "ep": 2}),
-               ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2})]}
+               ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2})],
+           8: [("dp2 tp2 pp2 ep2 zero0", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2})]}
 
 
 def muon(model):
@@ -81,9 +83,9 @@ def _worker(rank, world):
     return ref, out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_muon_layouts_equal_one_process(world):
-    results = run_distributed(_worker, world, timeout=240)
+    results = run_distributed(_worker, world, timeout=360)
     for rank, (ref, out) in enumerate(results):
         for name, (losses, seen) in out.items():
             for step, ((l, g), (rl, rg)) in enumerate(zip(losses, ref)):
