@@ -50,24 +50,29 @@ class Pieces:
     def size(self) -> int:
         return dist.get_world_size(self.group)
 
+    def _rows(self) -> list:
+        """split="dim": each rank's length along dim (torch.chunk's: the last ones shorter or 0)."""
+        n = self.shape[self.dim]
+        chunk = -(-n // self.size)
+        return [max(0, min(chunk, n - r * chunk)) for r in range(self.size)]
+
     def numels(self) -> list:
         """Each rank's piece numel."""
-        P, total = self.size, math.prod(self.shape)
+        total = math.prod(self.shape)
         if self.split == "flat":
-            return [-(-total // P)] * P
-        n, rest = self.shape[self.dim], total // max(1, self.shape[self.dim])
-        chunk = -(-n // P)
-        return [max(0, min(chunk, n - r * chunk)) * rest for r in range(P)]
+            return [-(-total // self.size)] * self.size
+        per_row = total // max(1, self.shape[self.dim])
+        return [rows * per_row for rows in self._rows()]
 
     def assemble(self, flat_pieces: list) -> torch.Tensor:
         """The whole matrix from every rank's flat piece (trimmed of its padding)."""
         if self.split == "flat":
             return torch.cat(flat_pieces)[:math.prod(self.shape)].view(self.shape)
-        rest = list(self.shape)
         blocks = []
-        for piece, numel in zip(flat_pieces, self.numels()):
-            rest[self.dim] = numel // max(1, math.prod(self.shape) // self.shape[self.dim])
-            blocks.append(piece[:numel].view(rest))
+        for piece, rows, numel in zip(flat_pieces, self._rows(), self.numels()):
+            shape = list(self.shape)
+            shape[self.dim] = rows
+            blocks.append(piece[:numel].view(shape))
         return torch.cat(blocks, self.dim)
 
     def cut(self, whole: torch.Tensor) -> list:
@@ -77,10 +82,7 @@ class Pieces:
             flat = whole.reshape(-1)
             flat = torch.cat([flat, flat.new_zeros(self.size * L - flat.numel())])
             return list(flat.view(self.size, L))
-        chunk = -(-self.shape[self.dim] // self.size)
-        return [whole.narrow(self.dim, min(r * chunk, self.shape[self.dim]),
-                             max(0, min(chunk, self.shape[self.dim] - r * chunk))).reshape(-1)
-                for r in range(self.size)]
+        return [part.reshape(-1) for part in whole.split(self._rows(), self.dim)]
 
 
 def ns_cost(shape) -> int:
