@@ -16,14 +16,18 @@ Two collectives per group and step whatever the number of matrices, each moving 
 pieces once (a rank sends sum_i n_i and receives as much; an all-gather of every matrix
 would move P times that). Booked in the ledger as `muon_orthogonalise`.
 
-The pieces (Pieces.split):
-  flat  ZeRO-1/2: the matrix flattened, zero-padded to P*L and cut in P rows of L
-        (data_parallel/zero.py's slices);
-  dim   a DTensor on a 1-D mesh with Shard(dim): torch.chunk's pieces along dim (the last ones
-        shorter or empty), as FSDP2 (ZeRO-3) and 1-D tensor parallelism shard parameters; and
-        expert tensor parallelism's d_ff blocks of an expert bank over the etp group (plain
-        tensors, equal blocks: moe/expert_tp.py).
-A DTensor with Replicate holds the whole matrix: orthogonalised where it is (every replica
+The pieces (Pieces.axes: the group's ranks as a grid, each axis cutting one way):
+  FLAT  ZeRO-1/2: the block flattened, zero-padded to P*L and cut in P rows of L
+        (data_parallel/zero.py's slices)
+  dim   torch.chunk's pieces along a tensor dim (the last ones shorter or empty): a DTensor's
+        Shard(dim) mesh dims (FSDP2 (ZeRO-3) and 1-D tensor parallelism; the 2-D grid's rows
+        over tpr and columns over tpc), and expert tensor parallelism's d_ff blocks of an
+        expert bank over the etp group (plain tensors, equal blocks: moe/expert_tp.py)
+  COPY  a DTensor's Replicate mesh dims (the 2.5-D grid's stacked depth): the ranks hold the
+        same piece; only the first sends it, every one gets its piece of the result back
+  and compositions: ZeRO-1/2's flat slices of a tensor-parallel block (FLAT outer, over the
+  stage's pool group: dp x tp ranks), the grid's (COPY, dim, dim) over the tp group.
+A DTensor with Replicate only holds the whole matrix: orthogonalised where it is (every replica
 computes the same). Matrices no group splits (one rank's expert bank under plain expert
 parallelism) stay on their rank.
 """
@@ -33,56 +37,110 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 KIND = "muon_orthogonalise"
+FLAT, COPY = "flat", "copy"   # Pieces axes that cut no tensor dim
 
 
 @dataclass(frozen=True)
 class Pieces:
-    """How a group's ranks hold pieces of one matrix (or bank) of `shape`."""
+    """How a group's ranks hold pieces of one matrix (or bank) of `shape`.
+
+    axes: the group's ranks as a row-major grid (group rank = its index), one (n, cut) per
+    axis, outer first; cut is a tensor dim (torch.chunk's n pieces along it), FLAT (the block
+    flattened, zero-padded to n*L and cut in n rows of L: ZeRO-1/2's slices) or COPY (the n
+    ranks hold the same piece; index 0 sends it). A rank's piece: the matrix cut along every
+    dim axis at its indices, then the flat cut of that block."""
     group: object
     shape: torch.Size
-    split: str   # "flat" or "dim"
-    dim: int = 0
+    axes: tuple
 
     @property
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        return math.prod(n for n, _ in self.axes)
 
-    def _rows(self) -> list:
-        """split="dim": each rank's length along dim (torch.chunk's: the last ones shorter or 0)."""
-        n = self.shape[self.dim]
-        chunk = -(-n // self.size)
-        return [max(0, min(chunk, n - r * chunk)) for r in range(self.size)]
+    def _index(self, r: int) -> list:
+        idx = []
+        for n, _ in reversed(self.axes):
+            idx.append(r % n)
+            r //= n
+        return idx[::-1]
+
+    def _dim_axes(self) -> list:
+        return [a for a, (_, cut) in enumerate(self.axes) if isinstance(cut, int)]
+
+    def _flat_axis(self):
+        return next((a for a, (_, cut) in enumerate(self.axes) if cut == FLAT), None)
+
+    def _lens(self, a: int) -> list:
+        """Lengths of axis a's pieces along its dim (torch.chunk's: the last ones shorter or 0)."""
+        n, dim = self.axes[a]
+        size = self.shape[dim]
+        chunk = -(-size // n)
+        return [max(0, min(chunk, size - i * chunk)) for i in range(n)]
+
+    def _block_shape(self, idx: list) -> list:
+        shape = list(self.shape)
+        for a in self._dim_axes():
+            shape[self.axes[a][1]] = self._lens(a)[idx[a]]
+        return shape
 
     def numels(self) -> list:
         """Each rank's piece numel."""
-        total = math.prod(self.shape)
-        if self.split == "flat":
-            return [-(-total // self.size)] * self.size
-        per_row = total // max(1, self.shape[self.dim])
-        return [rows * per_row for rows in self._rows()]
+        f = self._flat_axis()
+        out = []
+        for r in range(self.size):
+            block = math.prod(self._block_shape(self._index(r)))
+            out.append(block if f is None else -(-block // self.axes[f][0]))
+        return out
+
+    def sources(self) -> list:
+        """Whether each rank's piece is sent to the owner (the first of each set of copies)."""
+        copies = [a for a, (_, cut) in enumerate(self.axes) if cut == COPY]
+        return [all(self._index(r)[a] == 0 for a in copies) for r in range(self.size)]
 
     def assemble(self, flat_pieces: list) -> torch.Tensor:
-        """The whole matrix from every rank's flat piece (trimmed of its padding)."""
-        if self.split == "flat":
-            return torch.cat(flat_pieces)[:math.prod(self.shape)].view(self.shape)
-        blocks = []
-        for piece, rows, numel in zip(flat_pieces, self._rows(), self.numels()):
-            shape = list(self.shape)
-            shape[self.dim] = rows
-            blocks.append(piece[:numel].view(shape))
-        return torch.cat(blocks, self.dim)
+        """The whole matrix from the sources' flat pieces (None for the other ranks), each
+        trimmed of its padding."""
+        f, dims = self._flat_axis(), self._dim_axes()
+        parts = {}
+        for r, piece in enumerate(flat_pieces):
+            if piece is not None:
+                idx = self._index(r)
+                parts.setdefault(tuple(idx[a] for a in dims), []).append((idx[f] if f is not None else 0, r))
+        blocks = {}
+        for key, held in parts.items():
+            idx = [0] * len(self.axes)
+            for a, i in zip(dims, key):
+                idx[a] = i
+            shape = self._block_shape(idx)
+            numel = math.prod(shape)
+            L = numel if f is None else -(-numel // self.axes[f][0])  # one piece, less its padding
+            flat = torch.cat([flat_pieces[r].reshape(-1)[:L] for _, r in sorted(held)])
+            blocks[key] = flat[:numel].view(shape)
+
+        def join(prefix: tuple):
+            if len(prefix) == len(dims):
+                return blocks[prefix]
+            a = dims[len(prefix)]
+            return torch.cat([join(prefix + (i,)) for i in range(self.axes[a][0])], self.axes[a][1])
+        return join(())
 
     def cut(self, whole: torch.Tensor) -> list:
         """Every rank's flat piece of `whole`."""
-        if self.split == "flat":
-            L = self.numels()[0]
-            flat = whole.reshape(-1)
-            flat = torch.cat([flat, flat.new_zeros(self.size * L - flat.numel())])
-            return list(flat.view(self.size, L))
-        return [part.reshape(-1) for part in whole.split(self._rows(), self.dim)]
+        f, out = self._flat_axis(), []
+        for r in range(self.size):
+            idx, block = self._index(r), whole
+            for a in self._dim_axes():
+                block = block.split(self._lens(a), self.axes[a][1])[idx[a]]
+            flat = block.reshape(-1)
+            if f is not None:
+                n = self.axes[f][0]
+                L = -(-flat.numel() // n)
+                flat = torch.cat([flat, flat.new_zeros(n * L - flat.numel())])[idx[f] * L:(idx[f] + 1) * L]
+            out.append(flat)
+        return out
 
 
 def ns_cost(shape) -> int:
@@ -105,41 +163,48 @@ def owners(shapes: list, P: int) -> list:
 def exchange(pieces: list, updates: list, ns, assign=owners) -> list:
     """Collective over pieces[0].group: every rank's orthogonalised pieces of the matrices
     (pieces[i] describes matrix i; updates[i] this rank's piece of its update); assign(shapes,
-    P) chooses the owners (bench/muon.py compares a single owner)."""
+    P) chooses the owners (bench/muon.py compares a single owner). A rank sends its piece of
+    matrix i to the owner only where it is a source (copies send nothing) and gets its piece
+    of every result back."""
     group = pieces[0].group
     P, me = dist.get_world_size(group), dist.get_rank(group)
     if P == 1:  # a group of one (e.g. expert banks with no data-parallel copies): no exchange
         return [d.cut(ns(d.assemble([u.reshape(-1)])).to(u.dtype))[0] for d, u in zip(pieces, updates)]
     own = assign([d.shape for d in pieces], P)
     pad = [max(d.numels()) for d in pieces]
-    mine = [i for i in range(len(pieces)) if own[i] == me]
+    src = [d.sources() for d in pieces]
+    n = range(len(pieces))
+    mine = [i for i in n if own[i] == me]
     dtype, device = updates[0].dtype, updates[0].device
 
-    def padded(t, n):
+    def padded(t, k):
         flat = t.reshape(-1).to(dtype)
-        return torch.cat([flat, flat.new_zeros(n - flat.numel())]) if flat.numel() < n else flat
+        return torch.cat([flat, flat.new_zeros(k - flat.numel())]) if flat.numel() < k else flat
 
-    to_owner = [sum(pad[i] for i in range(len(pieces)) if own[i] == o) for o in range(P)]
-    send = torch.cat([padded(updates[i], pad[i]) for o in range(P) for i in range(len(pieces)) if own[i] == o]
-                     or [torch.zeros(0, dtype=dtype, device=device)])
-    from_each = [sum(pad[i] for i in mine)] * P
+    sent = [i for o in range(P) for i in n if own[i] == o and src[i][me]]
+    to_owner = [sum(pad[i] for i in n if own[i] == o and src[i][me]) for o in range(P)]
+    send = torch.cat([padded(updates[i], pad[i]) for i in sent] or [torch.zeros(0, dtype=dtype, device=device)])
+    from_each = [sum(pad[i] for i in mine if src[i][r]) for r in range(P)]
     recv = send.new_empty(sum(from_each))
     dist.all_to_all_single(recv, send, from_each, to_owner, group=group)
 
     back = [[] for _ in range(P)]  # per destination rank, in `mine` order
     rows = recv.split(from_each)
-    for k, i in enumerate(mine):
-        offset = sum(pad[j] for j in mine[:k])
-        whole = pieces[i].assemble([row[offset:offset + pad[i]] for row in rows])
-        for r, piece in enumerate(pieces[i].cut(ns(whole).to(dtype))):
+    for i in mine:
+        flat = []
+        for r in range(P):
+            offset = sum(pad[j] for j in mine[:mine.index(i)] if src[j][r])
+            flat.append(rows[r][offset:offset + pad[i]] if src[i][r] else None)
+        for r, piece in enumerate(pieces[i].cut(ns(pieces[i].assemble(flat)).to(dtype))):
             back[r].append(padded(piece, pad[i]))
     send_back = torch.cat([t for r in range(P) for t in back[r]] or [send.new_zeros(0)])
-    recv_back = send.new_empty(sum(to_owner))
-    dist.all_to_all_single(recv_back, send_back, to_owner, from_each, group=group)
+    from_owner = [sum(pad[i] for i in n if own[i] == o) for o in range(P)]
+    recv_back = send.new_empty(sum(from_owner))
+    dist.all_to_all_single(recv_back, send_back, from_owner, [sum(pad[i] for i in mine)] * P, group=group)
 
     out, cursor = [None] * len(pieces), {o: 0 for o in range(P)}
-    starts = [sum(to_owner[:o]) for o in range(P)]
-    for i in range(len(pieces)):
+    starts = [sum(from_owner[:o]) for o in range(P)]
+    for i in n:
         o = own[i]
         begin = starts[o] + cursor[o]
         cursor[o] += pad[i]
@@ -198,45 +263,81 @@ def _like(u, local_piece):
     return local_piece
 
 
-def pieces_of(model_p, name: str, slice_group=None, etp_group=None) -> "Pieces | None":
+def pieces_of(model_p, name: str, slice_group=None, etp_group=None, wide_groups=()) -> "Pieces | None":
     """How the layout holds Muon matrix `model_p` (`name` in the model): ZeRO-1/2's flat slices
-    over slice_group, expert tensor parallelism's d_ff blocks over etp_group, a DTensor's shards;
-    None when it is whole on this rank."""
-    from moe.expert_tp import FFN_DIMS
+    over slice_group (of the rank's block when the matrix is also split), expert tensor
+    parallelism's d_ff blocks over etp_group, a DTensor's shards and copies; None when it is
+    whole on this rank. A piece held over several groups' ranks is exchanged over the one of
+    wide_groups (e.g. tp, pool) spanning exactly those ranks; ValueError when none does, or for
+    shardings the exchange does not handle."""
     from .dtensors import local
+    held = _held(model_p, name, etp_group)
+    if slice_group is None:
+        if held is None:
+            return None
+        group, ranks, shape, axes = held
+        return Pieces(group or _group_over(ranks, wide_groups, name), shape, axes)
+    sliced = dist.get_process_group_ranks(slice_group)
+    flat = ((len(sliced), FLAT),)
+    if held is None:
+        return Pieces(slice_group, local(model_p).shape, flat)
+    _, ranks, shape, axes = held
+    me = dist.get_rank()
+    return Pieces(_group_over([s + r - me for s in sliced for r in ranks], wide_groups, name), shape, flat + axes)
+
+
+def _held(p, name: str, etp_group):
+    """(group or None, its ranks in row-major order, whole shape, axes) of a matrix split by
+    tensor or expert tensor parallelism; None when this rank holds it whole."""
+    from moe.expert_tp import FFN_DIMS
     from .kinds import is_expert_param
-    if slice_group is not None:
-        return Pieces(slice_group, local(model_p).shape, "flat")
     pname = name.rpartition(".")[2]
     if etp_group is not None and is_expert_param(name) and pname in FFN_DIMS:
-        shape = list(model_p.shape)
-        shape[FFN_DIMS[pname]] *= dist.get_world_size(etp_group)
-        return Pieces(etp_group, torch.Size(shape), "dim", FFN_DIMS[pname])
-    return dtensor_pieces(model_p)
+        n, shape = dist.get_world_size(etp_group), list(p.shape)
+        shape[FFN_DIMS[pname]] *= n
+        return etp_group, dist.get_process_group_ranks(etp_group), torch.Size(shape), ((n, FFN_DIMS[pname]),)
+    if not isinstance(p, DTensor) or p.device_mesh.size() == 1 or \
+            not any(isinstance(pl, Shard) for pl in p.placements):
+        return None  # whole here (a Replicate DTensor holds the whole matrix)
+    axes = []
+    for pl, n in zip(p.placements, p.device_mesh.shape):
+        if isinstance(pl, Shard) and type(pl) is Shard and pl.dim % p.dim() not in [a for _, a in axes]:
+            axes.append((n, pl.dim % p.dim()))
+        elif isinstance(pl, Replicate):
+            axes.append((n, COPY))
+        else:
+            raise ValueError(f"Muon matrix {name} is sharded as {p.placements}, which "
+                             f"parallel/muon.py does not exchange")
+    mesh = p.device_mesh
+    group = mesh.get_group() if mesh.ndim == 1 else None
+    return group, mesh.mesh.flatten().tolist(), p.shape, tuple(axes)
 
 
-def dtensor_pieces(p) -> "Pieces | None":
-    """A DTensor parameter sharded on a 1-D mesh: its Pieces; None when it is whole on every
-    rank (Replicate, or not a DTensor). ValueError for shardings the exchange does not
-    handle (several mesh dims, partial values)."""
-    if not isinstance(p, DTensor):
-        return None
-    shards = [pl for pl in p.placements if isinstance(pl, Shard)]
-    if not shards or p.device_mesh.size() == 1:  # whole here
-        return None
-    if p.device_mesh.ndim != 1 or len(p.placements) != 1:
-        raise ValueError(f"a Muon matrix sharded as {p.placements} over a {p.device_mesh.ndim}-D mesh")
-    return Pieces(p.device_mesh.get_group(), p.shape, "dim", shards[0].dim % p.dim())
+def _group_over(ranks: list, groups, name: str):
+    """The group of `groups` whose rank i is ranks[i]."""
+    for g in groups:
+        if g is not None and dist.get_process_group_ranks(g) == list(ranks):
+            return g
+    raise ValueError(f"Muon matrix {name} is held in pieces over ranks {list(ranks)}, which no "
+                     f"process group of the layout spans in that order")
 
 
-def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_group=None) -> PieceOwners:
+def layout_groups(meshes) -> list:
+    """The groups a matrix split several ways is exchanged over: tp (a 2-D/2.5-D grid's ranks)
+    and pool (ZeRO-1/2's slices of tensor-parallel blocks)."""
+    return [meshes.group("tp"), meshes.group("pool")]
+
+
+def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_group=None,
+               wide_groups=()) -> PieceOwners:
     """The orthogonaliser of `optimizer` (a MuonAdamW, after prepare_optimizer) for `model`
     on this layout.
 
     zero_state: data_parallel.zero.ZeroState under ZeRO-1/2 (the optimizer then steps its flat
     slices), else None (DTensor shards and blocks, or whole matrices); kinds: {id(model
     param): "dense" | "pool" | "expert"} (parallel/kinds.py), for the order of the groups;
-    etp_group: expert tensor parallelism's group (its banks' d_ff blocks), or None."""
+    etp_group: expert tensor parallelism's group (its banks' d_ff blocks), or None;
+    wide_groups: layout_groups(meshes)."""
     order = {"dense": 0, "pool": 1, "expert": 2}
     names = {id(p): n for n, p in model.named_parameters()}
     model_of = zero_state.model_param_of() if zero_state is not None else {}
@@ -248,7 +349,8 @@ def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_g
             continue
         for p in g["params"]:
             model_p = model_of.get(id(p), p)
-            d = pieces_of(model_p, names.get(id(model_p), ""), slice_group.get(id(p)), etp_group)
+            d = pieces_of(model_p, names.get(id(model_p), ""), slice_group.get(id(p)), etp_group,
+                          wide_groups)
             if d is None:
                 continue
             pieces[id(p)] = d

@@ -82,10 +82,10 @@ class Parallelized:
             return same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
         from optim.muon import MuonAdamW
         if isinstance(optimizer, MuonAdamW) and self.meshes is not None:
-            from .muon import for_layout  # whole-matrix updates for the pieces this layout holds
-            etp = self.meshes.group("etp") if self.plan.etp > 1 else None
+            from .muon import for_layout, layout_groups  # whole-matrix updates for the pieces
+            etp = self.meshes.group("etp") if self.plan.etp > 1 else None  # this layout holds
             optimizer.orthogonaliser = for_layout(optimizer, self.model, self.zero, self.kinds,
-                                                  self.comm_label, etp)
+                                                  self.comm_label, etp, layout_groups(self.meshes))
         return optimizer
 
     def set_grad_sync(self, enabled: bool) -> None:

@@ -88,9 +88,9 @@ def step_comm(w, plan, state) -> tuple:
     else:
         _grid_tensor(w, plan, state, book)
     if w.optimizer == "muon" and muon_facts(state, plan) is not None:
-        for dim, size, pad in muon_facts(state, plan).exchange:  # to the owner and back
-            out["muon_orthogonalise"] += 2 * pad
-            events.append(("muon_orthogonalise", "a2a", dim, size, 2 * pad))
+        for dim, size, nbytes in muon_facts(state, plan).exchange:  # to the owner and back
+            out["muon_orthogonalise"] += nbytes
+            events.append(("muon_orthogonalise", "a2a", dim, size, nbytes))
     out["other"] += 20
     return {k: out[k] for k in KINDS if out[k]}, events
 

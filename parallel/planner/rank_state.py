@@ -95,7 +95,8 @@ class MuonFacts:
     """train.optimizer=muon on this rank (optim/muon.py split, parallel/muon.py exchange):
     stepped_bytes / stepped_count: the tensors Muon steps (momentum: one buffer each; ZeRO-1/2's
     slices of the Muon matrices, else their local pieces); exchange: [(mesh dim, group size,
-    padded piece bytes)] per matrix held in pieces (two all_to_alls each move it); gathered:
+    bytes)] per matrix held in pieces: what this rank hands to the two all_to_alls for it (its
+    padded piece to the owner unless it is a copy; as the owner, every rank's piece back); gathered:
     the owner's transient bytes at the step (its receive buffer, each owned matrix whole and
     two Newton-Schulz temporaries of it)."""
     stepped_bytes: int = 0
@@ -169,10 +170,11 @@ def _muon_facts(par, groups) -> tuple:
 
 def _muon_variant(par, groups, sliced: bool):
     from optim.muon import split_params
-    from ..muon import owners, pieces_of
+    from ..muon import layout_groups, owners, pieces_of
     muon_params, _ = split_params(par.model)
     names = {id(p): n for n, p in par.model.named_parameters()}
     etp = par.meshes.group("etp") if par.plan.etp > 1 and par.meshes is not None else None
+    wide = layout_groups(par.meshes) if par.meshes is not None else ()
     slice_of = par.zero.shard_of if sliced else {}
     slice_group = {id(s): sl.group for sl in (par.zero.slices if sliced else ()) for s in sl.shards}
     dim_of = {par.meshes.group(d).group_name: d for d in reversed(list(groups))} \
@@ -182,7 +184,7 @@ def _muon_variant(par, groups, sliced: bool):
         for p in muon_params:
             t = slice_of.get(id(p), p)
             stepped.add(local(t))
-            d = pieces_of(p, names.get(id(p), ""), slice_group.get(id(t)), etp)
+            d = pieces_of(p, names.get(id(p), ""), slice_group.get(id(t)), etp, wide)
             if d is not None and d.size > 1:
                 by_group.setdefault(d.group.group_name, []).append((d, local(t).element_size()))
     except ValueError:  # a sharding parallel/muon.py does not take (config refuses the layout)
@@ -193,9 +195,9 @@ def _muon_variant(par, groups, sliced: bool):
     for name, items in by_group.items():
         P, me = items[0][0].size, dist.get_rank(items[0][0].group)
         own = owners([d.shape for d, _ in items], P)
-        for i, (d, size) in enumerate(items):
+        for i, (d, size) in enumerate(items):  # a source sends its piece, the owner P pieces back
             pad = max(d.numels()) * size
-            exchange.append((dim_of.get(name), P, pad))
+            exchange.append((dim_of.get(name), P, pad * (d.sources()[me] + (P if own[i] == me else 0))))
             if own[i] == me:
                 gathered += P * pad + 3 * math.prod(d.shape) * size
     return MuonFacts(stepped.bytes, stepped.count, tuple(exchange), gathered)

@@ -1,9 +1,10 @@
 """Muon (MuonAdamW: Muon for the hidden matrices and expert banks, AdamW for the rest) under
 layouts that hold pieces of matrices (ZeRO-1/2 slices, ZeRO-3 shards, 1-D tensor-parallel
-blocks, expert-tensor-parallel d_ff blocks) and under pp2 (whole matrices per stage, the tied
-head on the last stage) and one world-8 composition (dp2 x tp2 x pp2 x ep2), against one
-process: the same tiny MoE GPT, weights and
-global batch, 5 steps (tests/dist/dense_common.py), Newton-Schulz in fp32.
+blocks, ZeRO-1 slices of those blocks, the 2-D grid's blocks at tp=4 and the 2.5-D grid's at
+tp=8 (two stacked 2 x 2 grids holding copies), expert-tensor-parallel d_ff blocks) and under
+pp2 (whole matrices per stage, the tied head on the last stage) and one world-8 composition
+(dp2 x tp2 x pp2 x ep2), against one process: the same tiny MoE GPT, weights and global
+batch, 5 steps (tests/dist/dense_common.py), Newton-Schulz in fp32.
 
 Each matrix's update is orthogonalised whole by its owner rank (parallel/muon.py), so a layout
 differs from one process only in the reduction order of the gradients. Checked per step: the
@@ -11,9 +12,10 @@ loss and the gradient norm (2e-5 absolute + 1e-4 relative, the layout matrix's t
 every parameter after the step against the one-process parameter (this rank's expert block
 under expert parallelism; 1e-5 absolute + 1e-4 relative of its largest value: the Newton-Schulz
 iterations pass the ~1e-7 differences of the reduced gradients on, a little amplified). The
-ledger books the exchange as `muon_orthogonalise`: two all_to_alls per group and step, each
-handing over the rank's pieces padded to the largest piece of each matrix (bytes checked
-against that formula), and nothing else of the step changes kind.
+ledger books the exchange as `muon_orthogonalise`: two all_to_alls per group and step, the
+first handing over the rank's pieces padded to the largest piece of each matrix (none for a
+copy), the second the owner's results (bytes checked against that formula), and nothing else
+of the step changes kind.
 """
 import pytest
 import torch
@@ -31,8 +33,11 @@ LAYOUTS = {2: [("dp2 zero1", {"dp": 2, "zero": 1}), ("dp2 zero2", {"dp": 2, "zer
                ("pp2", {"dp": 1, "pp": 2, "microbatches": 2})],
            4: [("dp4 ep2 zero3", {"dp": 4, "ep": 2, "zero": 3}),
                ("dp2 tp2 ep2", {"dp": 2, "tp": 2, "ep": 2}),
-               ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2})],
-           8: [("dp2 tp2 pp2 ep2 zero0", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2})]}
+               ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2}),
+               ("tp4 2d", {"dp": 1, "tp": 4, "tp_mode": "2d"}),
+               ("dp2 tp2 zero1", {"dp": 2, "tp": 2, "zero": 1})],
+           8: [("dp2 tp2 pp2 ep2 zero0", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
+               ("tp8 2.5d", {"dp": 1, "tp": 8, "tp_mode": "2.5d", "tp_depth": 2})]}
 
 
 def muon(model):
@@ -57,9 +62,20 @@ def _reference(model_cfg, moe_cfg):
 
 
 def _expected_bytes(opt) -> int:
-    """Two all_to_alls per group and step, each handing over this rank's padded pieces."""
-    pieces = [d for d in opt.orthogonaliser.pieces.values() if d.size > 1]  # groups of one: local
-    return 2 * 4 * sum(max(d.numels()) for d in pieces)
+    """Two all_to_alls per group and step: this rank hands over its padded piece of each matrix
+    it is a source of (copies send nothing), and as owner every rank's piece of its matrices."""
+    import torch.distributed as dist
+    from parallel.muon import owners
+    by_group = {}
+    for d in opt.orthogonaliser.pieces.values():
+        if d.size > 1:  # groups of one: orthogonalised in place
+            by_group.setdefault(d.group.group_name, []).append(d)
+    total = 0
+    for pieces in by_group.values():
+        me, own = dist.get_rank(pieces[0].group), owners([d.shape for d in pieces], pieces[0].size)
+        for d, o in zip(pieces, own):
+            total += max(d.numels()) * (d.sources()[me] + (d.size if o == me else 0))
+    return 4 * total
 
 
 def _worker(rank, world):

@@ -56,9 +56,10 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     (2, {"dp": 1, "cp": 2, "ep": 2, "zero": 1}),
     (4, {"dp": 2, "cp": 2, "cp_mode": "ulysses", "zero": 3}),
     # Muon: one momentum buffer per matrix element, its pieces to their owners and back
-    # (ZeRO-1 slices; tensor-parallel blocks)
+    # (ZeRO-1 slices; ZeRO-1 slices of 1-D tensor-parallel blocks; the 2-D grid's blocks)
     (2, {"dp": 2, "zero": 1}, MUON),
-    (2, {"dp": 1, "tp": 2}, MUON),
+    (4, {"dp": 2, "tp": 2, "zero": 1}, MUON),
+    (4, {"dp": 1, "tp": 4, "tp_mode": "2d"}, MUON),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
