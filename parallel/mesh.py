@@ -88,10 +88,20 @@ def build_meshes(plan: ParallelPlan, device_type: str | None = None) -> Meshes:
 
 def _cp_group(plan: ParallelPlan):
     """Collective (every rank creates every cp group, in the same order): this rank's."""
-    if plan.cp == 1:
-        return None
+    return _mine(rank_groups(plan)["cp"]) if plan.cp > 1 else None
+
+
+def expert_data_group(plan: ParallelPlan):
+    """Collective: this rank's group over the edp x etp ranks of its stage and ep index (the
+    ranks holding ZeRO's slices of one expert's tensor-parallel blocks: parallel/muon.py)."""
+    grid = _views(plan, torch.arange(plan.world))["expert"][1]
+    return _mine([grid[p, :, e, :].flatten().tolist() for p in range(plan.pp) for e in range(plan.ep)])
+
+
+def _mine(rank_lists: list):
+    """Collective (every rank creates every group, in the same order): this rank's group."""
     mine = None
-    for ranks in rank_groups(plan)["cp"]:
+    for ranks in rank_lists:
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group

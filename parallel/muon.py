@@ -50,11 +50,14 @@ class Pieces:
     axes: the group's ranks as a row-major grid (group rank = its index), one (n, cut) per
     axis, outer first; cut is a tensor dim (torch.chunk's n pieces along it), FLAT (the block
     flattened, zero-padded to n*L and cut in n rows of L: ZeRO-1/2's slices) or COPY (the n
-    ranks hold the same piece; index 0 sends it). A rank's piece: the matrix cut along every
-    dim axis at its indices, then the flat cut of that block."""
+    ranks hold the same piece; index 0 sends it). order: the axes in the order the layout cut
+    the matrix (default: as listed), each cutting the block the earlier ones left (so two axes
+    may cut the same dim: FSDP2's shards of an expert-tensor-parallel block); a FLAT axis cuts
+    last."""
     group: object
     shape: torch.Size
     axes: tuple
+    order: tuple = ()
 
     @property
     def size(self) -> int:
@@ -67,31 +70,31 @@ class Pieces:
             r //= n
         return idx[::-1]
 
-    def _dim_axes(self) -> list:
-        return [a for a, (_, cut) in enumerate(self.axes) if isinstance(cut, int)]
+    def _cuts(self) -> list:
+        """The dim-cutting axes in the order they cut."""
+        return [a for a in (self.order or range(len(self.axes))) if isinstance(self.axes[a][1], int)]
 
     def _flat_axis(self):
         return next((a for a, (_, cut) in enumerate(self.axes) if cut == FLAT), None)
 
-    def _lens(self, a: int) -> list:
-        """Lengths of axis a's pieces along its dim (torch.chunk's: the last ones shorter or 0)."""
-        n, dim = self.axes[a]
-        size = self.shape[dim]
-        chunk = -(-size // n)
-        return [max(0, min(chunk, size - i * chunk)) for i in range(n)]
-
-    def _block_shape(self, idx: list) -> list:
-        shape = list(self.shape)
-        for a in self._dim_axes():
-            shape[self.axes[a][1]] = self._lens(a)[idx[a]]
-        return shape
+    def _block_shapes(self, idx: list) -> list:
+        """The block's shape after each cut of _cuts() (torch.chunk's lengths: the last pieces
+        shorter or 0), the matrix's shape first."""
+        shapes = [list(self.shape)]
+        for a in self._cuts():
+            n, dim = self.axes[a]
+            shape, size = list(shapes[-1]), shapes[-1][dim]
+            chunk = -(-size // n)
+            shape[dim] = max(0, min(chunk, size - idx[a] * chunk))
+            shapes.append(shape)
+        return shapes
 
     def numels(self) -> list:
         """Each rank's piece numel."""
         f = self._flat_axis()
         out = []
         for r in range(self.size):
-            block = math.prod(self._block_shape(self._index(r)))
+            block = math.prod(self._block_shapes(self._index(r))[-1])
             out.append(block if f is None else -(-block // self.axes[f][0]))
         return out
 
@@ -103,37 +106,40 @@ class Pieces:
     def assemble(self, flat_pieces: list) -> torch.Tensor:
         """The whole matrix from the sources' flat pieces (None for the other ranks), each
         trimmed of its padding."""
-        f, dims = self._flat_axis(), self._dim_axes()
+        f, cuts = self._flat_axis(), self._cuts()
         parts = {}
         for r, piece in enumerate(flat_pieces):
             if piece is not None:
                 idx = self._index(r)
-                parts.setdefault(tuple(idx[a] for a in dims), []).append((idx[f] if f is not None else 0, r))
+                parts.setdefault(tuple(idx[a] for a in cuts), []).append((idx[f] if f is not None else 0, r))
         blocks = {}
         for key, held in parts.items():
             idx = [0] * len(self.axes)
-            for a, i in zip(dims, key):
+            for a, i in zip(cuts, key):
                 idx[a] = i
-            shape = self._block_shape(idx)
+            shape = self._block_shapes(idx)[-1]
             numel = math.prod(shape)
             L = numel if f is None else -(-numel // self.axes[f][0])  # one piece, less its padding
             flat = torch.cat([flat_pieces[r].reshape(-1)[:L] for _, r in sorted(held)])
             blocks[key] = flat[:numel].view(shape)
 
-        def join(prefix: tuple):
-            if len(prefix) == len(dims):
+        def join(prefix: tuple):  # the first cut outermost: each block is its sub-blocks joined
+            if len(prefix) == len(cuts):
                 return blocks[prefix]
-            a = dims[len(prefix)]
-            return torch.cat([join(prefix + (i,)) for i in range(self.axes[a][0])], self.axes[a][1])
+            n, dim = self.axes[cuts[len(prefix)]]
+            return torch.cat([join(prefix + (i,)) for i in range(n)], dim)
         return join(())
 
     def cut(self, whole: torch.Tensor) -> list:
         """Every rank's flat piece of `whole`."""
         f, out = self._flat_axis(), []
         for r in range(self.size):
-            idx, block = self._index(r), whole
-            for a in self._dim_axes():
-                block = block.split(self._lens(a), self.axes[a][1])[idx[a]]
+            idx = self._index(r)
+            block = whole
+            for a, shape in zip(self._cuts(), self._block_shapes(idx)[1:]):
+                n, dim = self.axes[a]
+                chunk = -(-block.shape[dim] // n)
+                block = block.narrow(dim, min(idx[a] * chunk, block.shape[dim]), shape[dim])
             flat = block.reshape(-1)
             if f is not None:
                 n = self.axes[f][0]
@@ -220,8 +226,9 @@ class PieceOwners:
     expert, so no two ranks wait on each other's groups in opposite orders); comm_label(kind):
     the ledger's labelling context (or None)."""
 
-    def __init__(self, pieces: dict, groups: list, comm_label=None, assign=owners):
+    def __init__(self, pieces: dict, groups: list, comm_label=None, assign=owners, device=None):
         self.pieces, self.groups, self.comm_label, self.assign = pieces, groups, comm_label, assign
+        self.device = device  # where the exchange and Newton-Schulz run (None: the updates' own)
 
     def shape(self, p) -> torch.Size:
         d = self.pieces.get(id(p))
@@ -238,10 +245,11 @@ class PieceOwners:
                 ks = [k for k, p in enumerate(params) if id(p) in self.pieces and self.pieces[id(p)].group is group]
                 if not ks:
                     continue
-                locals_ = [_local(updates[k]) for k in ks]
-                done = exchange([self.pieces[id(params[k])] for k in ks], locals_, ns, self.assign)
+                locals_ = [_local(updates[k]) for k in ks]  # host ones (offload) to the device
+                sent = [t.to(self.device) if self.device is not None else t for t in locals_]
+                done = exchange([self.pieces[id(params[k])] for k in ks], sent, ns, self.assign)
                 for k, loc, flat in zip(ks, locals_, done):
-                    out[k] = _like(updates[k], flat.view(loc.shape))
+                    out[k] = _like(updates[k], flat.view(loc.shape).to(loc.device))
         return out
 
 
@@ -264,53 +272,71 @@ def _like(u, local_piece):
 
 
 def pieces_of(model_p, name: str, slice_group=None, etp_group=None, wide_groups=()) -> "Pieces | None":
-    """How the layout holds Muon matrix `model_p` (`name` in the model): ZeRO-1/2's flat slices
-    over slice_group (of the rank's block when the matrix is also split), expert tensor
-    parallelism's d_ff blocks over etp_group, a DTensor's shards and copies; None when it is
-    whole on this rank. A piece held over several groups' ranks is exchanged over the one of
-    wide_groups (e.g. tp, pool) spanning exactly those ranks; ValueError when none does, or for
-    shardings the exchange does not handle."""
-    from .dtensors import local
-    held = _held(model_p, name, etp_group)
-    if slice_group is None:
-        if held is None:
-            return None
-        group, ranks, shape, axes = held
-        return Pieces(group or _group_over(ranks, wide_groups, name), shape, axes)
-    sliced = dist.get_process_group_ranks(slice_group)
-    flat = ((len(sliced), FLAT),)
-    if held is None:
-        return Pieces(slice_group, local(model_p).shape, flat)
-    _, ranks, shape, axes = held
-    me = dist.get_rank()
-    return Pieces(_group_over([s + r - me for s in sliced for r in ranks], wide_groups, name), shape, flat + axes)
-
-
-def _held(p, name: str, etp_group):
-    """(group or None, its ranks in row-major order, whole shape, axes) of a matrix split by
-    tensor or expert tensor parallelism; None when this rank holds it whole."""
+    """How the layout holds Muon matrix `model_p` (`name` in the model); None when it is whole on
+    this rank. The cuts, in the order the layout makes them: expert tensor parallelism's d_ff
+    blocks over etp_group, a DTensor's mesh dims (tensor parallelism's blocks and the grids'
+    copies, or FSDP2's shards), ZeRO-1/2's flat slices over slice_group. A matrix cut over
+    several groups' ranks is exchanged over the one of wide_groups (layout_groups) spanning
+    exactly those ranks; ValueError when none does, or for shardings the exchange does not
+    handle."""
     from moe.expert_tp import FFN_DIMS
     from .kinds import is_expert_param
+    me, shape, cuts = dist.get_rank(), list(model_p.shape), []   # cuts: (n, cut, rank deltas)
     pname = name.rpartition(".")[2]
     if etp_group is not None and is_expert_param(name) and pname in FFN_DIMS:
-        n, shape = dist.get_world_size(etp_group), list(p.shape)
+        n = dist.get_world_size(etp_group)
         shape[FFN_DIMS[pname]] *= n
-        return etp_group, dist.get_process_group_ranks(etp_group), torch.Size(shape), ((n, FFN_DIMS[pname]),)
-    if not isinstance(p, DTensor) or p.device_mesh.size() == 1 or \
-            not any(isinstance(pl, Shard) for pl in p.placements):
-        return None  # whole here (a Replicate DTensor holds the whole matrix)
-    axes = []
-    for pl, n in zip(p.placements, p.device_mesh.shape):
-        if isinstance(pl, Shard) and type(pl) is Shard and pl.dim % p.dim() not in [a for _, a in axes]:
-            axes.append((n, pl.dim % p.dim()))
+        cuts.append((n, FFN_DIMS[pname], [r - me for r in dist.get_process_group_ranks(etp_group)]))
+    cuts += _dtensor_cuts(model_p, name, me)
+    if slice_group is not None:
+        sliced = dist.get_process_group_ranks(slice_group)
+        cuts.append((len(sliced), FLAT, [r - me for r in sliced]))
+    cuts = [c for c in cuts if c[0] > 1]
+    if not cuts or all(cut == COPY for _, cut, _ in cuts):
+        return None  # whole here
+    ranked = sorted(range(len(cuts)), key=lambda c: -(cuts[c][2][1] - cuts[c][2][0]))  # rank-major
+    ranks = [me]
+    for c in ranked:
+        ranks = [r + delta for r in ranks for delta in cuts[c][2]]
+    groups = [slice_group, etp_group, *wide_groups] + \
+        ([model_p.device_mesh.get_group()] if isinstance(model_p, DTensor) and model_p.device_mesh.ndim == 1 else [])
+    axes = tuple(cuts[c][:2] for c in ranked)
+    return Pieces(_group_over(ranks, groups, name), torch.Size(shape), axes, tuple(ranked.index(c) for c in range(len(cuts))))
+
+
+def _dtensor_cuts(p, name: str, me: int) -> list:
+    """(n, Shard dim or COPY, rank deltas) of each mesh dim of a DTensor that is sharded
+    somewhere, in the order the layout cut it ([] for a plain tensor or a Replicate one: whole
+    here). A _StridedShard (FSDP2 over tensor parallelism, the same dim) cuts the blocks the
+    other mesh dims' Shards left along that dim: it comes after them."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    if not isinstance(p, DTensor) or not any(isinstance(pl, Shard) for pl in p.placements):
+        return []
+    mesh, coord, plain, strided = p.device_mesh, p.device_mesh.get_coordinate(), [], []
+    for d, (pl, n) in enumerate(zip(p.placements, mesh.shape)):
+        deltas = [int(r) - me for r in _along(mesh.mesh, coord, d)]
+        if isinstance(pl, _StridedShard):
+            before = math.prod(m for q, m in zip(p.placements, mesh.shape)
+                               if type(q) is Shard and q.dim % p.dim() == pl.dim % p.dim())
+            if pl.split_factor != before:
+                raise ValueError(f"Muon matrix {name} is sharded as {p.placements}, whose strided "
+                                 f"shard parallel/muon.py does not exchange")
+            strided.append((n, pl.dim % p.dim(), deltas))
+        elif type(pl) is Shard:
+            plain.append((n, pl.dim % p.dim(), deltas))
         elif isinstance(pl, Replicate):
-            axes.append((n, COPY))
+            plain.append((n, COPY, deltas))
         else:
             raise ValueError(f"Muon matrix {name} is sharded as {p.placements}, which "
                              f"parallel/muon.py does not exchange")
-    mesh = p.device_mesh
-    group = mesh.get_group() if mesh.ndim == 1 else None
-    return group, mesh.mesh.flatten().tolist(), p.shape, tuple(axes)
+    return plain + strided
+
+
+def _along(mesh_ranks, coord: list, d: int) -> list:
+    """The ranks of a mesh along dim d through the rank at coord."""
+    index = list(coord)
+    index[d] = slice(None)
+    return mesh_ranks[tuple(index)].tolist()
 
 
 def _group_over(ranks: list, groups, name: str):
@@ -323,13 +349,19 @@ def _group_over(ranks: list, groups, name: str):
 
 
 def layout_groups(meshes) -> list:
-    """The groups a matrix split several ways is exchanged over: tp (a 2-D/2.5-D grid's ranks)
-    and pool (ZeRO-1/2's slices of tensor-parallel blocks)."""
-    return [meshes.group("tp"), meshes.group("pool")]
+    """The groups a matrix cut several ways is exchanged over: tp (a 2-D/2.5-D grid's ranks),
+    pool (ZeRO-1/2's slices of tensor-parallel blocks) and, under expert tensor parallelism
+    with expert data-parallel copies, edp x etp (ZeRO's slices or FSDP2's shards of the etp
+    blocks; created here: collective, every rank calls it)."""
+    from .mesh import expert_data_group
+    groups = [meshes.group("tp"), meshes.group("pool")]
+    if meshes.plan.etp > 1 and meshes.plan.edp > 1:
+        groups.append(expert_data_group(meshes.plan))
+    return groups
 
 
 def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_group=None,
-               wide_groups=()) -> PieceOwners:
+               wide_groups=(), device=None) -> PieceOwners:
     """The orthogonaliser of `optimizer` (a MuonAdamW, after prepare_optimizer) for `model`
     on this layout.
 
@@ -337,7 +369,8 @@ def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_g
     slices), else None (DTensor shards and blocks, or whole matrices); kinds: {id(model
     param): "dense" | "pool" | "expert"} (parallel/kinds.py), for the order of the groups;
     etp_group: expert tensor parallelism's group (its banks' d_ff blocks), or None;
-    wide_groups: layout_groups(meshes)."""
+    wide_groups: layout_groups(meshes); device: the collectives' device (offload=optimizer
+    steps host copies: their pieces travel through it)."""
     order = {"dense": 0, "pool": 1, "expert": 2}
     names = {id(p): n for n, p in model.named_parameters()}
     model_of = zero_state.model_param_of() if zero_state is not None else {}
@@ -359,4 +392,4 @@ def for_layout(optimizer, model, zero_state, kinds: dict, comm_label=None, etp_g
     for _, _, group in sorted(ranked, key=lambda t: t[:2]):
         if not any(group is g for g in groups):
             groups.append(group)
-    return PieceOwners(pieces, groups, comm_label)
+    return PieceOwners(pieces, groups, comm_label, device=device)

@@ -79,13 +79,14 @@ class Parallelized:
             optimizer = shard_optimizer(optimizer, self.zero)
         elif self.plan.offload == "params" and self.meshes is not None:
             from .data_parallel.offload import same_optimizer
-            return same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
+            optimizer = same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
         from optim.muon import MuonAdamW
         if isinstance(optimizer, MuonAdamW) and self.meshes is not None:
             from .muon import for_layout, layout_groups  # whole-matrix updates for the pieces
             etp = self.meshes.group("etp") if self.plan.etp > 1 else None  # this layout holds
             optimizer.orthogonaliser = for_layout(optimizer, self.model, self.zero, self.kinds,
-                                                  self.comm_label, etp, layout_groups(self.meshes))
+                                                  self.comm_label, etp, layout_groups(self.meshes),
+                                                  torch.device(self.meshes.dense.device_type))
         return optimizer
 
     def set_grad_sync(self, enabled: bool) -> None:

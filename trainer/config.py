@@ -302,25 +302,13 @@ def _check_optimizer(cfg: Config, plan) -> None:
 
 
 def _check_muon(cfg: Config, plan) -> None:
-    """Muon orthogonalises whole matrices: ZeRO-1/2/3, tensor parallelism (1-D and the grids),
-    ZeRO-1/2 slices of tensor-parallel blocks and expert tensor parallelism hold pieces that
-    parallel/muon.py sends to an owner rank; these layouts are not handled by it."""
-    whole = "(dp, cp, pp, ep, ZeRO-1/2/3, tp of every tp_mode, ZeRO-1/2 with tp, and etp are handled)"
-    fix = {"ps_servers": (plan.ps_servers, 0, "the parameter server steps the optimizer itself"),
-           "offload": (plan.offload, "none", "offload steps host copies of the state"),
-           "zeropp_hpz": (plan.zeropp_hpz, 0, "hpZ shards parameters over a 2-D mesh")}
-    for name, (value, ok, why) in fix.items():
-        _require(value == ok, f"train.optimizer='muon' with parallel.{name}={value!r}: {why}, which "
-                              f"the gathered Muon update does not handle yet; set parallel.{name}={ok!r} "
-                              f"{whole}")
-    _require(plan.etp == 1 or plan.zero == 0,
-             f"train.optimizer='muon' with parallel.etp={plan.etp} and parallel.zero={plan.zero}: ZeRO "
-             f"would slice expert-tensor-parallel blocks, which the gathered Muon update does not "
-             f"handle yet; set parallel.zero=0 or parallel.etp=1 {whole}")
-    _require(plan.tp == 1 or plan.zero != 3,
-             f"train.optimizer='muon' with parallel.tp={plan.tp} and parallel.zero=3: FSDP2 would "
-             f"shard tensor-parallel blocks again, which the gathered Muon update does not handle "
-             f"yet; set parallel.zero=1 or 2 (or parallel.tp=1) {whole}")
+    """Muon orthogonalises whole matrices: ZeRO-1/2/3, tensor parallelism (1-D and the grids)
+    and expert tensor parallelism, alone or composed, hold pieces that parallel/muon.py sends
+    to an owner rank; these layouts are not handled by it."""
+    whole = "(dp, cp, pp, ep, tp of every tp_mode and etp, with ZeRO-1/2/3, offload and hpZ, are handled)"
+    _require(plan.ps_servers == 0, f"train.optimizer='muon' with parallel.ps_servers={plan.ps_servers}: "
+             f"the parameter server steps the optimizer itself, on its servers' pieces, which the "
+             f"gathered Muon update does not handle; set parallel.ps_servers=0 {whole}")
     _require(plan.pp_schedule != "2bw", "train.optimizer='muon' with parallel.pp_schedule='2bw': "
              "PipeDream-2BW keeps two weight versions its own way; use another pp_schedule")
     _require(cfg.train.muon_ns_steps >= 1 and cfg.train.muon_momentum >= 0,

@@ -80,6 +80,7 @@ class HostMasters:
       after_step   copy the updated masters into the device shards
     """
     stage, host = 3, True
+    slices = ()   # no flat slices: the masters are shaped like the FSDP2 shards
 
     def __init__(self, model: torch.nn.Module, blocks=(), prefetch: int = 0):
         """Masters shaped like the local shards; refresh_from_params fills them (parallelize

@@ -110,26 +110,30 @@ def test_fp32_newton_schulz_is_the_same_iteration():
         assert s.min() > 0.3 and s.max() < 1.6, s
 
 
-@pytest.mark.parametrize("axes", [((3, "flat"),), ((3, 0),), ((3, 1),),
-                                  ((2, "copy"), (2, 0), (2, 1)),        # a 2.5-D grid, depth 2
-                                  ((2, "flat"), (3, 1)),                # ZeRO-1/2 of tp blocks
-                                  ((2, "flat"), (2, "copy"), (2, 1), (2, 0))])
-def test_pieces_are_the_layouts_blocks(axes):
+@pytest.mark.parametrize("axes, order", [
+    (((3, "flat"),), ()), (((3, 0),), ()), (((3, 1),), ()),
+    (((2, "copy"), (2, 0), (2, 1)), ()),          # a 2.5-D grid, depth 2
+    (((2, "flat"), (3, 1)), ()),                  # ZeRO-1/2 slices of tensor-parallel blocks
+    (((2, "flat"), (2, "copy"), (2, 1), (2, 0)), ()),
+    (((2, 1), (3, 1)), (1, 0)),                   # FSDP2 (outer ranks) shards of etp blocks
+    (((2, 0), (2, 1)), (1, 0))])                  #   (inner ranks), the same dim or another
+def test_pieces_are_the_layouts_blocks(axes, order):
     """parallel/muon.py's Pieces against the blocks written out by hand: torch.chunk along each
-    dim axis (row-major over the axes), then the ZeRO slice (flatten, zero-pad to n*L, row k);
-    assemble from the sources alone gives the matrix back."""
+    dim axis in the layout's cut order (axes row-major over the ranks), then the ZeRO slice
+    (flatten, zero-pad to n*L, row k); assemble from the sources alone gives the matrix back."""
     from parallel.muon import Pieces
     w = torch.randn(5, 7)
-    d = Pieces(None, w.shape, axes)
+    d = Pieces(None, w.shape, axes, order)
     sizes = [n for n, _ in axes]
     expected, sources = [], []
     for r in range(d.size):
         idx = [(r // math.prod(sizes[a + 1:])) % sizes[a] for a in range(len(axes))]
         block, flat_at = w, None
-        for a, (n, cut) in enumerate(axes):
+        for a in order or range(len(axes)):
+            n, cut = axes[a]
             if isinstance(cut, int):
-                block = block.chunk(n, cut)[idx[a]] if idx[a] < len(block.chunk(n, cut)) else \
-                    block.narrow(cut, 0, 0)
+                chunks = block.chunk(n, cut)
+                block = chunks[idx[a]] if idx[a] < len(chunks) else block.narrow(cut, 0, 0)
             elif cut == "flat":
                 flat_at = (n, idx[a])
         piece = block.reshape(-1)
