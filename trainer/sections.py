@@ -31,7 +31,7 @@ class TrainConfig:
     lr: float = _f(2e-3, "peak learning rate (AdamW)")
     min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of train.lr")
     warmup_steps: int = _f(20, "linear warmup steps from 0 to train.lr")
-    optimizer: str = _f("adamw", "adamw | adafactor (factored second moments; zero 0 or 3, not 1/2) | muon (torch.optim.Muon's update on the hidden matrices -- Linear weights, and each expert's matrices of the expert banks -- and AdamW on the rest: embeddings, the output head, norms, biases, routers, gates; dp, cp, pp, ep, ZeRO-1/2/3, tp of every tp_mode (1d, the 2-D and 2.5-D grids), ZeRO-1/2 with tp, and etp: a matrix held in pieces is orthogonalised whole by one owner rank, parallel/muon.py; ZeRO-3 with tp, ZeRO with etp, hpZ, offload, the parameter server and 2bw are refused)")
+    optimizer: str = _f("adamw", "adamw | adafactor (factored second moments; zero 0 or 3, not 1/2) | muon (torch.optim.Muon's update on the hidden matrices -- Linear weights, and each expert's matrices of the expert banks -- and AdamW on the rest: embeddings, the output head, norms, biases, routers, gates; every layout -- dp, cp, pp, ep, tp of every tp_mode, etp, ZeRO-1/2/3 with offload and hpZ, composed: a matrix held in pieces is orthogonalised whole by one owner rank, parallel/muon.py; the parameter server and 2bw are refused)")
     muon_momentum: float = _f(0.95, "muon: momentum of the matrices' buffer (torch.optim.Muon's default)")
     muon_nesterov: bool = _f(True, "muon: Nesterov momentum")
     muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations (coefficients 3.4445, -4.775, 2.0315, torch.optim.Muon's)")

@@ -2,9 +2,10 @@
 ep2 (each rank keeps whole experts, the dense matrices whole and all-reduced) and under pp2
 (each stage its whole matrices) give the one-process losses for 6 steps (1e-4 relative: the
 reduction order, amplified by the steps; ENV.md trap 5); a one-process muon checkpoint of step 3
-resumes under dp2 x ep2 x ZeRO-1 with the uninterrupted run's losses (Muon's momentum buffers
-and AdamW's moments cut into ZeRO-1's flat slices, the dense matrices' updates orthogonalised
-whole by their owner rank: parallel/muon.py)."""
+resumes under dp2 x tp2 x ep2 x ZeRO-3 with the uninterrupted run's losses (Muon's momentum
+buffers and AdamW's moments cut into FSDP2's shards of the tensor-parallel blocks and of each
+rank's experts, the matrices' updates orthogonalised whole by their owner rank:
+parallel/muon.py)."""
 import shutil
 
 import pytest
@@ -38,8 +39,8 @@ def test_muon_layouts_equal_one_process_and_resume_across_layouts(tmp_path, cach
         for step in ref:
             assert close(got[step], ref[step], 1e-4), (run.name, step, got[step], ref[step])
     shutil.rmtree(one / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={one}", "train.resume=true", "parallel.dp=2", "parallel.ep=2",
-                    "parallel.zero=1"], tmp_path, nproc=2)
+    train(common + [f"run.dir={one}", "train.resume=true", "parallel.dp=2", "parallel.tp=2",
+                    "parallel.ep=2", "parallel.zero=3"], tmp_path, nproc=4)
     got = losses(one)
     for step in (4, 5, 6):
         assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
