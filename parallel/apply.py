@@ -40,6 +40,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         raise ValueError("parallelize needs a validated plan (dp resolved): call plan.validate(world) first")
     if meshes is None and plan.world > 1:
         raise ValueError(f"plan uses {plan.world} ranks but meshes=None; pass build_meshes(plan)")
+    if meshes is None and plan.param_dtype != "fp32":
+        raise ValueError(f"parallel.param_dtype={plan.param_dtype} keeps its fp32 masters in ZeRO "
+                         f"slices, which need a process group: pass build_meshes(plan), in one "
+                         f"process too (a group of one)")
     par = Parallelized(model, plan, meshes)
     tied = _tied_embedding(model, meshes)  # decided before the split prunes either end
     if plan.pp > 1:
@@ -87,6 +91,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         par.tied.broadcast_from_first()
     if par.zero is not None:
         par.zero.refresh_from_params()  # slices taken before init / the tie broadcast
+    if plan.param_dtype != "fp32":  # the fp32 masters are the slices just taken
+        from .precision import DTYPES
+        par.zero.cast_params(DTYPES[plan.param_dtype])
     par.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
     if meshes is not None:
         from .ledger import CommLedger, mesh_groups

@@ -14,10 +14,13 @@ from .dtensors import local, shard_pieces
 
 
 def held_grad(p, zero):
-    """The gradient this rank holds for parameter p: its ZeRO-2 slice's; under ZeRO-3 offload
-    its host master's once the step moved it there; else p.grad (may be None)."""
+    """The gradient this rank holds for parameter p: its ZeRO-2 slice (bf16 under bf16
+    parameters); under ZeRO-3 offload its host master's once the step moved it there; else
+    p.grad (may be None)."""
     if zero is not None and id(p) in zero.shard_of:
-        if zero.stage == 2 or (zero.stage == 3 and p.grad is None):
+        if zero.stage == 2:
+            return zero.slice_grad(p)
+        if zero.stage == 3 and p.grad is None:
             return zero.shard_of[id(p)].grad
     return p.grad
 

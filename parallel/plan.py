@@ -26,6 +26,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
 CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "optimizer", "params")
+PARAM_DTYPES = ("fp32", "bf16")
 def _toml(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
@@ -52,6 +53,7 @@ class ParallelPlan:
     pp_layers: str = field(default="", metadata={"help": "blocks per pipeline stage: '' = even (n_layers divisible by the stages) | 'auto' = balanced by predicted time and parameters (the embedding on the first stage, head and loss on the last) | '3,4,4,3' = explicit, one count per stage (pp x stages per rank); stages without MoE layers are fine under any ep"})
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
+    param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2: the ZeRO paper's mixed precision, K=12; needs zero 1 or 2 and precision=bf16; checkpoints keep the fp32 masters)"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
@@ -67,6 +69,8 @@ class ParallelPlan:
         is not at its default, so a user can confirm offload / ZeRO++ / schedule are on."""
         s = (f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} zero={self.zero} "
              f"precision={self.precision}")
+        if self.param_dtype != "fp32":
+            s += f" param_dtype={self.param_dtype}"
         if self.tp_mode != "1d":
             s += f" tp_mode={self.tp_mode}" + (f" tp_depth={self.tp_depth}" if self.tp_mode == "2.5d" else "")
         if self.cp > 1:
@@ -336,6 +340,26 @@ def _check_2bw(p: ParallelPlan) -> None:
             raise _err(f"parallel.pp_schedule=2bw with {what} ({fix})")
 
 
+def _check_param_dtype(p: ParallelPlan) -> None:
+    """bf16 parameters need somewhere to keep the fp32 masters: ZeRO-1/2's slices."""
+    if p.param_dtype not in PARAM_DTYPES:
+        raise _err(f"parallel.param_dtype={p.param_dtype!r} is not supported; use one of "
+                   f"{', '.join(PARAM_DTYPES)}")
+    if p.param_dtype == "fp32":
+        return
+    for bad, fix in ((p.zero not in (1, 2), f"parallel.zero={p.zero}: set parallel.zero=1 or 2 (their "
+                      f"slices are the fp32 masters; ZeRO-3's FSDP2 shards are fp32 masters "
+                      f"already: use param_dtype=fp32 with precision=bf16 there)"),
+                     (p.precision != "bf16", f"parallel.precision={p.precision}: set precision=bf16 "
+                      f"(autocast runs the bf16 weights' matmuls; fp16 would need loss scaling)"),
+                     (p.ps_servers > 0, f"parallel.ps_servers={p.ps_servers}: set ps_servers=0 "
+                      f"(the servers keep their own fp32 copies)"),
+                     (p.pp > 1 and p.pp_schedule == "2bw", "parallel.pp_schedule=2bw: use another "
+                      "schedule (2bw keeps its own weight versions)")):
+        if bad:
+            raise _err(f"parallel.param_dtype={p.param_dtype} with {fix}")
+
+
 def _check_zero_family(p: ParallelPlan) -> None:
     """offload and the ZeRO++ flags: each names the stage it needs."""
     if p.offload not in OFFLOADS:
@@ -356,6 +380,7 @@ def _check_zero_family(p: ParallelPlan) -> None:
         raise _err(f"parallel.zeropp_quantize_grads=true quantizes the gradient reduce-scatter of "
                    f"ZeRO-2/3 (got zero={p.zero}); set parallel.zero=2 or 3")
     _check_hpz(p)
+    _check_param_dtype(p)
     if p.zero == 3 and p.pp > 1 and p.pp_schedule in ZERO_BUBBLE:
         raise _err(f"parallel.pp_schedule={p.pp_schedule} with parallel.zero=3: the zero-bubble "
                    f"schedules compute weight gradients after FSDP2 has reduce-scattered the "

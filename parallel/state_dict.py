@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from moe.aux import moe_layers
 from moe.expert_tp import FFN_DIMS
 
-from .dtensors import like_param
+from .dtensors import like_param, local
 
 PENDING, FLAG = "pipeline_2bw_pending_grad.", "_present"
 OPTIONAL_PREFIXES = (PENDING,)  # entries only some layouts save (2bw's pending gradient)
@@ -62,7 +62,7 @@ def layout_state(par, optimizer, for_load: bool = False) -> dict:
     else:
         if for_load:
             zero.init_optimizer_state(optimizer)  # the load fills existing state tensors
-        model_sd = get_model_state_dict(model)
+        model_sd = _with_masters(model, zero, get_model_state_dict(model), for_load)
         optim_sd = _zero_optim_state(model, optimizer, zero)
         missing = [k for k in optim_sd["state"] if k not in model_sd]
         if missing:
@@ -83,18 +83,55 @@ def set_layout_state(par, optimizer, state: dict) -> None:
     else:
         set_model_state_dict(par.model, model_sd)
         _set_zero_optim_state(par.model, optimizer, par.zero, optim_sd)
-        par.zero.refresh_from_params()
+        if par.zero.holds_masters():  # the fp32 masters as saved, not the bf16 parameters
+            par.zero.load_full_masters({id(p): local(model_sd[n]) for n, p in _named(par.model)
+                                        if n in model_sd})
+        else:
+            par.zero.refresh_from_params()
+
+
+def _named(model):
+    return model.named_parameters(remove_duplicate=False)
+
+
+def _with_masters(model, zero, model_sd: dict, for_load: bool) -> dict:
+    """Under bf16 parameters (ZeRO-1/2 fp32 masters): the model state with each parameter's
+    fp32 master in its place (collective: gathered from the slices), or for a load an fp32
+    tensor of its shape for DCP to fill (set_layout_state puts it into the masters)."""
+    if not zero.holds_masters():
+        return model_sd
+    masters = {} if for_load else zero.full_masters()
+    out = dict(model_sd)
+    for name, p in _named(model):
+        if name in out and id(p) in zero.shard_of:
+            full = masters.get(id(p))
+            if full is None:
+                full = torch.empty(local(p).shape, dtype=zero.shard_of[id(p)].dtype, device=local(p).device)
+            out[name] = like_param(full, p)
+    return out
 
 
 def weights_state(par) -> dict:
-    """The model weights alone in the layout-free form."""
+    """The model weights alone in the layout-free form, to load into (set_weights_state)."""
     transform, _ = transforms(par)
-    return transform(get_model_state_dict(par.model), NO_OPTIM)[0]
+    model_sd = get_model_state_dict(par.model)
+    if par.zero is not None:
+        model_sd = _with_masters(par.model, par.zero, model_sd, for_load=True)
+    return transform(model_sd, NO_OPTIM)[0]
 
 
 def set_weights_state(par, model_sd: dict) -> None:
+    """The loaded weights into the model and, under ZeRO-1/2 (and ZeRO-3 offload), into the
+    master copies the optimizer steps (else its first step would write the old ones back)."""
     _, untransform = transforms(par)
-    set_model_state_dict(par.model, untransform(model_sd, NO_OPTIM)[0])
+    model_sd = untransform(model_sd, NO_OPTIM)[0]
+    set_model_state_dict(par.model, model_sd)
+    if par.zero is None:
+        return
+    if par.zero.holds_masters():
+        par.zero.load_full_masters({id(p): local(model_sd[n]) for n, p in _named(par.model) if n in model_sd})
+    else:
+        par.zero.refresh_from_params()
 
 
 # ------------------------------------------------------------------ tied embeddings

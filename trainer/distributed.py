@@ -48,13 +48,21 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_kind: str = "auto", timeout_s: int = 300) -> DistContext:
+def init_distributed(device_kind: str = "auto", timeout_s: int = 300,
+                     group_of_one: bool = False) -> DistContext:
+    """The process group of this run (torchrun's environment), or none in one process;
+    group_of_one: a process group of this one process all the same (parallel.param_dtype=bf16:
+    its fp32 masters live in ZeRO slices, which take their group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = choose_device(device_kind, local_rank)
-    if world == 1 and not dist.is_initialized():
-        return DistContext(0, 1, 0, device, "")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if world == 1 and not dist.is_initialized():
+        if not group_of_one:
+            return DistContext(0, 1, 0, device, "")
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return DistContext(0, 1, 0, device, backend)
     store = None
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)

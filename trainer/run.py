@@ -34,7 +34,8 @@ from .tasks import Task, sentinels_needed, token_loss
 
 def run(cfg) -> int:
     """Train according to `cfg` (a trainer.config.Config). ConfigError for user mistakes."""
-    ctx = init_distributed(cfg.run.device, cfg.run.dist_timeout_s)
+    ctx = init_distributed(cfg.run.device, cfg.run.dist_timeout_s,
+                           group_of_one=cfg.parallel.param_dtype != "fp32")
     beat = _heartbeat(cfg, ctx)
     ok = False
     try:

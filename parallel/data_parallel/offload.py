@@ -82,6 +82,12 @@ class HostMasters:
     stage, host = 3, True
     slices = ()   # no flat slices: the masters are shaped like the FSDP2 shards
 
+    @staticmethod
+    def holds_masters() -> bool:
+        """The host masters hold the parameters' own values (fp32 both): checkpoints save the
+        parameters."""
+        return False
+
     def __init__(self, model: torch.nn.Module, blocks=(), prefetch: int = 0):
         """Masters shaped like the local shards; refresh_from_params fills them (parallelize
         calls it after the weights are initialised: the model may still be on the meta device
