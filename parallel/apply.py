@@ -91,8 +91,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         par.tied.broadcast_from_first()
     if par.zero is not None:
         par.zero.refresh_from_params()  # slices taken before init / the tie broadcast
-    if plan.param_dtype != "fp32":  # the fp32 masters are the slices just taken
-        from .precision import DTYPES
+    if plan.param_dtype != "fp32" and plan.zero in (1, 2):  # the fp32 masters: the slices just
+        from .precision import DTYPES                          # taken (ZeRO-3: FSDP2's shards)
         par.zero.cast_params(DTYPES[plan.param_dtype])
     par.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
     if meshes is not None:
@@ -126,6 +126,18 @@ def _tied_embedding(model, meshes):
     return make
 
 
+def _fsdp_precision(plan):
+    """ZeRO-3 under param_dtype=bf16: FSDP2 gathers the parameters and reduces the gradients in
+    bf16, its fp32 shards being the masters (None: FSDP2's default, all fp32)."""
+    if plan.param_dtype == "fp32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from .precision import DTYPES
+    low = DTYPES[plan.param_dtype]
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+
+
 def _apply_data_parallel(model, par) -> None:
     plan, meshes = par.plan, par.meshes
     if plan.ps_servers:  # the parameter server sums gradients (data_parallel/param_server): no hooks
@@ -133,7 +145,8 @@ def _apply_data_parallel(model, par) -> None:
     if plan.zero == 3:
         from .data_parallel.fsdp import apply_fsdp
         roots = par.pipeline.chunks if par.pipeline is not None else None
-        apply_fsdp(model, meshes, blocks(model), roots, comm_label=par.comm_label)
+        apply_fsdp(model, meshes, blocks(model), roots, mp_policy=_fsdp_precision(plan),
+                   comm_label=par.comm_label)
         if plan.offload == "optimizer":
             from .data_parallel.offload import HostMasters
             par.zero = HostMasters(model, blocks(model), plan.zero_prefetch)

@@ -53,7 +53,7 @@ class ParallelPlan:
     pp_layers: str = field(default="", metadata={"help": "blocks per pipeline stage: '' = even (n_layers divisible by the stages) | 'auto' = balanced by predicted time and parameters (the embedding on the first stage, head and loss on the last) | '3,4,4,3' = explicit, one count per stage (pp x stages per rank); stages without MoE layers are fine under any ep"})
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
-    param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2: the ZeRO paper's mixed precision, K=12; needs zero 1 or 2 and precision=bf16; checkpoints keep the fp32 masters)"})
+    param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2; under ZeRO-3 FSDP2 gathers and reduces in bf16, its fp32 shards the masters: the ZeRO paper's mixed precision, K=12; needs zero 1-3 and precision=bf16; checkpoints keep the fp32 masters)"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
@@ -347,9 +347,10 @@ def _check_param_dtype(p: ParallelPlan) -> None:
                    f"{', '.join(PARAM_DTYPES)}")
     if p.param_dtype == "fp32":
         return
-    for bad, fix in ((p.zero not in (1, 2), f"parallel.zero={p.zero}: set parallel.zero=1 or 2 (their "
-                      f"slices are the fp32 masters; ZeRO-3's FSDP2 shards are fp32 masters "
-                      f"already: use param_dtype=fp32 with precision=bf16 there)"),
+    for bad, fix in ((p.zero == 0, "parallel.zero=0: set parallel.zero=1, 2 or 3 (the fp32 masters "
+                      "live in ZeRO-1/2's slices or are ZeRO-3's shards; zero=1 works with dp=1)"),
+                     (p.zero == 3 and p.offload != "none", f"parallel.offload={p.offload!r} under "
+                      f"ZeRO-3: set offload='none' (or parallel.zero=1/2 with offload='optimizer')"),
                      (p.precision != "bf16", f"parallel.precision={p.precision}: set precision=bf16 "
                       f"(autocast runs the bf16 weights' matmuls; fp16 would need loss scaling)"),
                      (p.ps_servers > 0, f"parallel.ps_servers={p.ps_servers}: set ps_servers=0 "

@@ -54,7 +54,7 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
 from collections import Counter
 
 from ..ledger import KINDS, classify
-from .memory import act_bytes, local_tokens, micro_seqs
+from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
 from .rank_state import muon_facts
 
 
@@ -116,11 +116,14 @@ def _grad_sync(plan, state, book) -> None:
 
 
 def _fsdp(m: int, plan, state, out, events) -> None:
-    """m micro-batches: each gathers the units again; the gradients are reduced once."""
+    """m micro-batches: each gathers the units again; the gradients are reduced once. Under
+    param_dtype=bf16 FSDP2 gathers and reduces bf16 casts of its fp32 shards: half the bytes."""
     qw = quantized_bytes if plan.zeropp_quantize_weights else (lambda n: n)
+    wire = fsdp_wire_ratio(plan)
     for dims, size, shard, is_root, hpz in state.fsdp_units:
         if size <= 1:
             continue
+        shard = int(shard * wire)
         dim = sorted(dims)[0]
         backward = [] if is_root and not hpz else \
             [("gather", "hpz", hpz, qw(shard * size // hpz) * m)] if hpz else [("gather", dim, size, qw(shard) * m)]

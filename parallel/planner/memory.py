@@ -53,6 +53,12 @@ LOSS_BYTES_PER_LOGIT = 12   # logits, fp32 log-softmax, their gradient (fp32 run
 DEVICE = "gpu"
 
 
+def fsdp_wire_ratio(plan) -> float:
+    """Bytes FSDP2 gathers and reduces per byte of its fp32 shards: under param_dtype=bf16 it
+    moves (and holds gathered) bf16 casts."""
+    return 0.5 if plan.param_dtype == "bf16" else 1.0
+
+
 def act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
@@ -196,7 +202,7 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
         forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:
-        biggest = max(u[1] * u[2] for u in state.fsdp_units)
+        biggest = int(max(u[1] * u[2] for u in state.fsdp_units) * fsdp_wire_ratio(plan))  # gathered
         forward += (1 + max(1, plan.zero_prefetch)) * biggest  # this unit + those prefetched
         sync = base + held + biggest
     else:

@@ -5,7 +5,9 @@ reference):
   micro-batches equals dp2 x ZeRO-2 over 6 steps within 1e-5 relative: both sum the two halves'
   bf16 gradients once (accumulation; the reduce-scatter) and halve them (exactly, a power of 2);
 - the one-process step-3 checkpoint holds the fp32 masters (not bf16 copies) and resumes
-  under dp2 x ZeRO-2 with the uninterrupted run's losses;
+  under dp2 x ZeRO-3 (FSDP2's fp32 shards the masters, bf16 gathers) with the uninterrupted
+  run's losses (1e-4: ZeRO-3 clips the fp32 gradient shards FSDP2 hands over, ZeRO-1/2 the
+  bf16 gradients they hold, a different rounding; measured 1.2e-5 at step 5);
 - `checkpoint.init_from` under dp2 x ZeRO-1, bf16 and fp32, with lr=1e-30: the run's
   checkpoint after 2 steps holds the weights it loaded (within 1e-12) (the master slices take the loaded values;
   before, the first step's all-gather wrote the random initialisation back)."""
@@ -47,11 +49,11 @@ def test_bf16_parameters_through_train_py(tmp_path, cache):
     assert dtypes == {"torch.float32"}, dtypes  # the masters, not the bf16 parameters
 
     shutil.rmtree(one / "checkpoints" / "step_00000006")
-    train(common + [f"run.dir={one}", "train.resume=true", "parallel.dp=2", "parallel.zero=2"],
+    train(common + [f"run.dir={one}", "train.resume=true", "parallel.dp=2", "parallel.zero=3"],
           tmp_path, nproc=2)
     resumed = losses(one)
     for step in (4, 5, 6):
-        assert close(resumed[step], ref[step], 1e-5), (step, resumed[step], ref[step])
+        assert close(resumed[step], ref[step], 1e-4), (step, resumed[step], ref[step])
 
     # init_from under ZeRO-1 (bf16 masters from the checkpoint; fp32: the slices refreshed)
     # with lr=1e-30 (below every weight's fp32 spacing; lr must be > 0): the run's checkpoint

@@ -55,6 +55,8 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # over cp=2 inside dp=2 with ZeRO-3
     (2, {"dp": 1, "cp": 2, "ep": 2, "zero": 1}),
     (4, {"dp": 2, "cp": 2, "cp_mode": "ulysses", "zero": 3}),
+    # bf16 parameters and gradients with fp32 master slices (the ZeRO paper's K = 12)
+    (2, {"dp": 2, "zero": 2, "precision": "bf16", "param_dtype": "bf16"}),
     # Muon: one momentum buffer per matrix element, its pieces to their owners and back
     # (ZeRO-1 slices; ZeRO-1 slices of 1-D tensor-parallel blocks; the 2-D grid's blocks)
     (2, {"dp": 2, "zero": 1}, MUON),
