@@ -69,7 +69,7 @@ class StateCache:
         # the replicas' split into dp row streams x cp sequence parts (and the cp mode)
         # changes no tensor, only the cp group (rank_state.with_cp): one read serves them all
         key = (plan.replicas, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.pp_layers,
-               plan.ep, plan.etp, zero, plan.stages_per_rank, v_shape, hpz, where)
+               plan.ep, plan.etp, zero, plan.stages_per_rank, v_shape, hpz, where, plan.param_dtype)
         if key not in self.states:
             base = dataclasses.replace(plan, zero=zero, recompute="none", compile=False,
                                        offload="none", zeropp_quantize_weights=False,

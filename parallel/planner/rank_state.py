@@ -109,7 +109,7 @@ def read_rank_state(build_model, plan: ParallelPlan, rank: int) -> RankState:
     """Parallelize a fresh meta model (`build_model()`) for `rank` of a validated plan.
     ZeRO 0, 1 and 2 hold the same tensors apart from the slices, so a plan with zero 1
     answers for all three (the caller picks what its stage uses)."""
-    if plan.world == 1:
+    if plan.world == 1 and plan.param_dtype == "fp32":  # bf16 parameters: train.py's group of one
         return _read(parallelize(build_model(), plan, None, loss_fn=_no_loss), plan, rank)
     with fake_world(rank, plan.world):
         par = parallelize(build_model(), plan, build_meshes(plan, "cpu"), loss_fn=_no_loss)
