@@ -58,8 +58,7 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # bf16 parameters and gradients with fp32 master slices (the ZeRO paper's K = 12)
     (2, {"dp": 2, "zero": 2, "precision": "bf16", "param_dtype": "bf16"}),
     # Muon: one momentum buffer per matrix element, its pieces to their owners and back
-    # (ZeRO-1 slices; ZeRO-1 slices of 1-D tensor-parallel blocks; the 2-D grid's blocks)
-    (2, {"dp": 2, "zero": 1}, MUON),
+    # (ZeRO-1 slices of 1-D tensor-parallel blocks; the 2-D grid's blocks)
     (4, {"dp": 2, "tp": 2, "zero": 1}, MUON),
     (4, {"dp": 1, "tp": 4, "tp_mode": "2d"}, MUON),
 ]
