@@ -189,7 +189,8 @@ def exchange(pieces: list, updates: list, ns, assign=owners) -> list:
 
     sent = [i for o in range(P) for i in n if own[i] == o and src[i][me]]
     to_owner = [sum(pad[i] for i in n if own[i] == o and src[i][me]) for o in range(P)]
-    send = torch.cat([padded(updates[i], pad[i]) for i in sent] or [torch.zeros(0, dtype=dtype, device=device)])
+    send = torch.cat([padded(updates[i], pad[i]) for i in sent]
+                     or [torch.zeros(0, dtype=dtype, device=device)])
     from_each = [sum(pad[i] for i in mine if src[i][r]) for r in range(P)]
     recv = send.new_empty(sum(from_each))
     dist.all_to_all_single(recv, send, from_each, to_owner, group=group)
@@ -298,10 +299,12 @@ def pieces_of(model_p, name: str, slice_group=None, etp_group=None, wide_groups=
     ranks = [me]
     for c in ranked:
         ranks = [r + delta for r in ranks for delta in cuts[c][2]]
-    groups = [slice_group, etp_group, *wide_groups] + \
-        ([model_p.device_mesh.get_group()] if isinstance(model_p, DTensor) and model_p.device_mesh.ndim == 1 else [])
+    groups = [slice_group, etp_group, *wide_groups]
+    if isinstance(model_p, DTensor) and model_p.device_mesh.ndim == 1:
+        groups.append(model_p.device_mesh.get_group())
     axes = tuple(cuts[c][:2] for c in ranked)
-    return Pieces(_group_over(ranks, groups, name), torch.Size(shape), axes, tuple(ranked.index(c) for c in range(len(cuts))))
+    order = tuple(ranked.index(c) for c in range(len(cuts)))  # the axes in the order they cut
+    return Pieces(_group_over(ranks, groups, name), torch.Size(shape), axes, order)
 
 
 def _dtensor_cuts(p, name: str, me: int) -> list:

@@ -16,8 +16,8 @@ the slices; ZeRO-3's shards) within 1e-6 (measured: equal under ZeRO-1/2, 6e-8 u
 every bf16 parameter exactly its master rounded to bf16; what each rank holds: parameters in
 bf16, slices and optimizer state in fp32, ZeRO-2's gradient slices in bf16 (ZeRO-3: fp32
 shards and state); and the ledger's bytes: the gradient all-reduce (ZeRO-1) or reduce-scatter
-and the parameter all-gathers at 2 bytes an element, half the fp32 layout's. Masters rounded to bf16 before the first step fail this (measured: loss off by
-2e-4 at step 1).
+and the parameter all-gathers at 2 bytes an element, half the fp32 layout's. Masters rounded
+to bf16 before the first step fail this (measured: loss off by 2e-4 at step 1).
 """
 import pytest
 import torch
