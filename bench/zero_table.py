@@ -1,6 +1,6 @@
 """The ZeRO paper's Table 1 against the planner: per-device model-state memory (GB = 1e9 bytes)
 of dense 7.5B, 128B and 1T GPTs under ZeRO-1/2/3 with bf16 parameters and K = 12, for
-Nd = 1 .. 1024 (parallel/planner/zero_table.py says what is compared).
+Nd = 1 .. 1024 (trainer/zero_table.py says what is compared).
 
     python bench/zero_table.py
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel.planner.zero_table import DEGREES, MODELS, paper_bytes, planner, planner_bytes  # noqa: E402
+from trainer.zero_table import DEGREES, MODELS, paper_bytes, planner, planner_bytes  # noqa: E402
 
 
 def main() -> None:
