@@ -123,7 +123,7 @@ def exit_on_hang(line: str) -> None:
     (a stopped process never acts on torchrun's SIGTERM), and exit this process now."""
     from .launcher import record_error_line
     print(line, file=sys.stderr, flush=True)
-    record_error_line(line)
+    record_error_line(line, began_before=True)
     who = silent_rank(line)
     if who is not None and who[0] == socket.gethostname() and who[1] not in (0, os.getpid()):
         try:

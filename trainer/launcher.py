@@ -10,15 +10,17 @@ import os
 import time
 
 
-def record_error_line(line: str, consequence: bool = False) -> None:
+def record_error_line(line: str, consequence: bool = False, began_before: bool = False) -> None:
     """Write `line` as this worker's error for torchrun's summary (a no-op outside torchrun).
     torchrun names the failure with the smallest timestamp (whole seconds) the root cause; a
     `consequence` (this rank only lost a peer that failed first) is dated one second later,
-    so it never wins a tie against the rank that caused it."""
+    so it never wins a tie against the rank that caused it; `began_before` (a hang, seen
+    run.hang_timeout_s after the silence began) one second earlier, so it wins the tie against
+    the silent rank this one then kills (torchrun dates that kill when it sees it)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    stamp = int(time.time()) + (1 if consequence else 0)
+    stamp = int(time.time()) + (1 if consequence else 0) - (1 if began_before else 0)
     data = {"message": {"message": line,
                         "extraInfo": {"py_callstack": line, "timestamp": str(stamp)}}}
     try:
