@@ -292,10 +292,11 @@ def pieces_of(model_p, name: str, slice_group=None, etp_group=None, wide_groups=
     if slice_group is not None:
         sliced = dist.get_process_group_ranks(slice_group)
         cuts.append((len(sliced), FLAT, [r - me for r in sliced]))
-    cuts = [c for c in cuts if c[0] > 1]
+    cuts = [c for c in cuts if c[0] > 1 or c[1] == FLAT]  # a slice of one is still flat
     if not cuts or all(cut == COPY for _, cut, _ in cuts):
-        return None  # whole here
-    ranked = sorted(range(len(cuts)), key=lambda c: -(cuts[c][2][1] - cuts[c][2][0]))  # rank-major
+        return None  # whole here, in its shape
+    stride = [d[1] - d[0] if len(d) > 1 else 0 for _, _, d in cuts]
+    ranked = sorted(range(len(cuts)), key=lambda c: -stride[c])  # rank-major: largest stride first
     ranks = [me]
     for c in ranked:
         ranks = [r + delta for r in ranks for delta in cuts[c][2]]

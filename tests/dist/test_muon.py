@@ -3,7 +3,8 @@ layouts that hold pieces of matrices (ZeRO-1/2 slices, ZeRO-3 shards, 1-D tensor
 blocks, ZeRO-1 slices and ZeRO-3 (strided) shards of those blocks, the 2-D grid's blocks at
 tp=4 and the 2.5-D grid's at tp=8 (two stacked 2 x 2 grids holding copies), expert-tensor-
 parallel d_ff blocks, alone and cut again by ZeRO-1 slices or ZeRO-3 shards; host-resident
-slices and shards under offload, ZeRO++ hpZ) and under
+slices and shards under offload, ZeRO++ hpZ; ZeRO-1 slices over a group of one: flat, yet
+whole) and under
 pp2 (whole matrices per stage, the tied head on the last stage) and one world-8 composition
 (dp2 x tp2 x pp2 x ep2), against one process: the same tiny MoE GPT, weights and global
 batch, 5 steps (tests/dist/dense_common.py), Newton-Schulz in fp32.
@@ -35,7 +36,8 @@ LAYOUTS = {2: [("dp2 zero1", {"dp": 2, "zero": 1}), ("dp2 zero2", {"dp": 2, "zer
                ("pp2", {"dp": 1, "pp": 2, "microbatches": 2}),
                ("dp2 zero2 offload=optimizer", {"dp": 2, "zero": 2, "offload": "optimizer"}),
                ("dp2 zero3 offload=optimizer", {"dp": 2, "zero": 3, "offload": "optimizer"}),
-               ("dp2 zero3 offload=params", {"dp": 2, "zero": 3, "offload": "params"})],
+               ("dp2 zero3 offload=params", {"dp": 2, "zero": 3, "offload": "params"}),
+               ("dp2 ep2 zero1", {"dp": 2, "ep": 2, "zero": 1})],  # experts: slices of one rank
            4: [("dp4 ep2 zero3 hpz2", {"dp": 4, "ep": 2, "zero": 3, "zeropp_hpz": 2}),
                ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2}),
                ("tp4 2d", {"dp": 1, "tp": 4, "tp_mode": "2d"}),
