@@ -2,7 +2,7 @@
 layouts that hold pieces of matrices (ZeRO-1/2 slices, ZeRO-3 shards, 1-D tensor-parallel
 blocks, ZeRO-1 slices and ZeRO-3 (strided) shards of those blocks, the 2-D grid's blocks at
 tp=4 and the 2.5-D grid's at tp=8 (two stacked 2 x 2 grids holding copies), expert-tensor-
-parallel d_ff blocks, alone and cut again by ZeRO-1 slices or ZeRO-3 shards; host-resident
+parallel d_ff blocks, alone and cut again by ZeRO-3 shards; host-resident
 slices and shards under offload, ZeRO++ hpZ; ZeRO-1 slices over a group of one: flat, yet
 whole) and under
 pp2 (whole matrices per stage, the tied head on the last stage) and one world-8 composition
@@ -43,7 +43,6 @@ LAYOUTS = {2: [("dp2 zero1", {"dp": 2, "zero": 1}), ("dp2 zero2", {"dp": 2, "zer
                ("tp4 2d", {"dp": 1, "tp": 4, "tp_mode": "2d"}),
                ("dp2 tp2 zero1", {"dp": 2, "tp": 2, "zero": 1}),
                ("dp2 tp2 zero3", {"dp": 2, "tp": 2, "zero": 3}),
-               ("dp4 etp2 zero1", {"dp": 4, "etp": 2, "zero": 1}),
                ("dp4 etp2 zero3", {"dp": 4, "etp": 2, "zero": 3})],
            8: [("dp2 tp2 pp2 ep2 zero0", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
                ("tp8 2.5d", {"dp": 1, "tp": 8, "tp_mode": "2.5d", "tp_depth": 2})]}
