@@ -46,11 +46,13 @@ def weighted_grads(model, plan, kinds: dict, zero, counted_elsewhere=frozenset()
 
 
 def grad_norm(items: list, device, distributed: bool) -> torch.Tensor:
-    """The global L2 norm (same value on every rank) of weighted_grads items, fp32 scalar."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    """The global L2 norm (same value on every rank) of weighted_grads items: an fp32 scalar,
+    fp64 when the gradients are fp64 (summed in the wider of fp32 and their dtype)."""
+    acc = torch.float64 if any(g.dtype == torch.float64 for g, _ in items) else torch.float32
+    total = torch.zeros((), dtype=acc, device=device)
     for g, weight in items:
         if weight:
-            total += g.float().pow(2).sum() * weight
+            total += g.to(acc).pow(2).sum() * weight
     if distributed:
         dist.all_reduce(total)
     return total.sqrt()

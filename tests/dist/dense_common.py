@@ -26,9 +26,10 @@ def configs(n_layers=4, num_experts=4, top_k=2, positions="rope", tie=True):
     return model_cfg, moe_cfg
 
 
-def make_model(model_cfg, moe_cfg, seed=0):
+def make_model(model_cfg, moe_cfg, seed=0, dtype=torch.float32):
     model = build_model(model_cfg, moe_cfg, device="meta")
-    return init_weights(model, seed, torch.device("cpu"))
+    model = init_weights(model, seed, torch.device("cpu"))
+    return model if dtype == torch.float32 else model.to(dtype)  # fp32 keeps its fp64 buffers
 
 
 def batch(step: int, vocab: int = 64):
@@ -38,12 +39,14 @@ def batch(step: int, vocab: int = 64):
 
 
 def task_loss(logits_BSV, targets_BS):
-    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), targets_BS.reshape(-1))
+    """Cross-entropy in fp32 at least (bf16/fp16 logits upcast; fp64 stays fp64)."""
+    logits = logits_BSV.reshape(-1, logits_BSV.shape[-1])
+    return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), targets_BS.reshape(-1))
 
 
-def reference_run(model_cfg, moe_cfg, steps=STEPS):
-    """[(loss, grad_norm)] of one process on the whole global batch."""
-    model = make_model(model_cfg, moe_cfg)
+def reference_run(model_cfg, moe_cfg, steps=STEPS, dtype=torch.float32):
+    """[(loss, grad_norm)] of one process on the whole global batch (parameters in dtype)."""
+    model = make_model(model_cfg, moe_cfg, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     out = []
     for step in range(steps):
@@ -111,14 +114,15 @@ def one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol):
     return out_diff, grads, comm
 
 
-def check_layouts(world, layouts, configs_of, grad_atol, grad_rtol) -> dict:
+def check_layouts(world, layouts, configs_of, grad_atol, grad_rtol, train_dtype=torch.float32) -> dict:
     """In a worker: {name: (one_step_check(...), train_layout(...))} for each (name, spec,
-    variant) of `layouts`, the model configs from configs_of(variant)."""
+    variant) of `layouts`, the model configs from configs_of(variant); the training steps with
+    parameters in train_dtype (fp64: tests/tolerance.py, rule 5)."""
     out = {}
     for name, spec, variant in layouts:
         model_cfg, moe_cfg = configs_of(variant)
         out[name] = (one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol),
-                     train_layout(world, spec, model_cfg, moe_cfg))
+                     train_layout(world, spec, model_cfg, moe_cfg, dtype=train_dtype))
     return out
 
 
@@ -134,17 +138,18 @@ def adamw_of(model):
     return adamw(model.parameters())
 
 
-def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, make_optimizer=adamw_of):
+def train_layout(world, spec, model_cfg, moe_cfg, inspect=None, steps=STEPS, make_optimizer=adamw_of,
+                 dtype=torch.float32):
     """[(loss, grad_norm)] of this rank training one layout (spec: ParallelPlan fields) for
     `steps` steps, each rank on its dp share of the global batch, with make_optimizer(model)
-    (AdamW by default). inspect(par, optimizer, step, comm_bytes) is called after each step,
-    with the bytes the ledger counted in it."""
+    (AdamW by default), parameters in dtype. inspect(par, optimizer, step, comm_bytes) is
+    called after each step, with the bytes the ledger counted in it."""
     from parallel.apply import parallelize
     from parallel.mesh import build_meshes
     from parallel.plan import ParallelPlan
     plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, B)
     meshes = build_meshes(plan)
-    par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)
+    par = parallelize(make_model(model_cfg, moe_cfg, dtype=dtype), plan, meshes, loss_fn=task_loss)
     model = par.model
     opt = par.prepare_optimizer(make_optimizer(model))
     out = []

@@ -28,6 +28,7 @@ def _init_model(cfg):
     return models.init_weights(models.build_model(cfg.model, cfg.moe), cfg.train.seed, "cpu")
 
 
+@pytest.mark.lowp
 def test_fp16_overflow_skips_the_step_and_training_continues(tmp_path, cache):
     from parallel.apply import parallelize
     from parallel.plan import ParallelPlan
@@ -62,6 +63,7 @@ def test_fp16_overflow_skips_the_step_and_training_continues(tmp_path, cache):
     assert clean[-1]["loss"] < recs[0]["loss"] - 0.1  # and trains
 
 
+@pytest.mark.lowp
 def test_fp16_two_processes_equal_one(tmp_path, cache):
     common = TINY + [f"data.cache_dir={cache}", "train.steps=4", "parallel.precision=fp16"]
     one, two = tmp_path / "one", tmp_path / "two"

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from tests.e2e.launch import prepared_cache, run_all
 from tests.e2e.test_train import TINY, close, losses, train
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.lowp]
 BF16 = ["parallel.precision=bf16", "parallel.param_dtype=bf16"]
 
 

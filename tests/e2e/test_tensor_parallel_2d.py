@@ -39,6 +39,7 @@ def test_2d_trains_like_one_process_and_resumes_under_1d_and_one_process(tmp_pat
     resume_after_step3(copy, common, tmp_path, ref, 1e-4)
 
 
+@pytest.mark.lowp
 @pytest.mark.long
 def test_2d_in_bf16_trains_like_one_process(tmp_path):
     common = TINY + [f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", "parallel.precision=bf16",

@@ -79,6 +79,7 @@ def test_grouped_mm_equals_loop_and_reference_fp32(activation, bias, k, cf):
         assert (h > grouped.experts.act.limit).any()
 
 
+@pytest.mark.lowp
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_grouped_mm_bf16_matches_loop_and_fp32(activation):
     x = torch.randn(G, 16, D)

@@ -146,6 +146,7 @@ def test_deterministic_bit_identical(router):
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
 
 
+@pytest.mark.lowp
 def test_bf16_path_close_to_fp32():
     layer16 = make_layer(2, "swiglu", None, torch.float32).to(torch.bfloat16)
     layer32 = copy.deepcopy(layer16).float()  # same (bf16-rounded) weights, computed in fp32
@@ -258,6 +259,7 @@ def test_fused_expert_bank_equals_plain_ops(activation, bias, counts):
         torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
+@pytest.mark.lowp
 def test_fused_expert_bank_under_autocast_matches_plain_ops():
     """bf16 autocast over fp32 weights: the fused path casts once and equals the op path."""
     from moe import ExpertBank

@@ -26,6 +26,7 @@ def _params():
             "norm": torch.randn(32, generator=g)}
 
 
+@pytest.mark.lowp
 @pytest.mark.parametrize("adjust,nesterov", [("match_rms_adamw", True), ("original", False)])
 def test_one_optimizer_equals_torch_muon_and_adamw(adjust, nesterov):
     init = _params()

@@ -5,6 +5,7 @@ of this 4-layer model over 5 AdamW steps stays within 2% relative of fp32 (measu
 while a broken cast (e.g. fp32 master weights lost, or bf16 router) shows up as routing changes
 and much larger drift or a dtype error. Recomputation must reproduce fp32 exactly up to 1e-6.
 """
+import pytest
 import torch
 
 from moe import Router
@@ -13,6 +14,8 @@ from parallel.apply import parallelize
 from parallel.plan import ParallelPlan
 from optim import DynamicLossScaler
 from tests.dist import dense_common as dc
+
+pytestmark = pytest.mark.lowp
 
 
 def _train(precision="fp32", recompute="none", steps=5, scaler=None, overflow_at=None):

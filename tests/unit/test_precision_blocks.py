@@ -56,6 +56,7 @@ def test_blocks_of_both_stacks():
     assert models.blocks(sw) == list(sw.encoder.blocks) + list(sw.decoder.blocks)
 
 
+@pytest.mark.lowp
 @pytest.mark.parametrize("arch", ["gpt", "switch"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_every_block_runs_in_low_precision_and_tracks_fp32(arch, precision):

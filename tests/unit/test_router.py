@@ -121,6 +121,7 @@ def test_jitter_only_in_training():
     assert (a - plain).abs().max() > 0
 
 
+@pytest.mark.lowp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_router_is_fp32_for_low_precision(dtype):
     layer = MoELayer(D, 4, E, 2).to(dtype)
