@@ -35,6 +35,8 @@ RUNS = [
      ["train.batch_size=2048"], 233.0, "FP8-CS; published mbs 1 (moekit's tp MoE needs mbs % tp == 0)"),
     ("DeepSeek-V3, its report", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
      [], None, "FP8, DualPipe, H800"),
+    ("DeepSeek-V3, fp8 dispatch", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
+     ["moe.dispatch_dtype=fp8"], None, "as above; the dispatch in FP8 as DeepSeek's"),
 ]
 DEEPSEEK_TOKENS, DEEPSEEK_GPU_HOURS = 14.8e12, 2.664e6
 

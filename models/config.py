@@ -14,6 +14,7 @@ from moe.config import BALANCE_LOSSES
 from moe.grouped_mm import EXPERT_IMPLS
 from moe.config import ROUTER_KINDS as ROUTERS
 from moe.scoring import SCORE_FUNCS
+from moe.wire import DISPATCH_DTYPES
 
 ARCHS = ("gpt", "switch")
 ATTENTIONS = ("mha", "mla")
@@ -208,6 +209,7 @@ class MoEConfig:
     force_balance: bool = _help(False, "BENCHMARKING ONLY: ignore the router's expert choice and spread assignments evenly (gates kept)")
     a2a_overlap_degree: int = _help(1, "under expert parallelism: cut each MoE layer's all-to-all into this many chunks, chunk c+1's exchange flying while the experts compute chunk c (same function); 1 = off, needs parallel.ep > 1")
     router_replay: str = _help("", "router replay (train.py): a routing record written by `python -m trainer.generate --record-routing FILE`; training runs on its sequences and every MoE layer sends each token to the recorded experts (gates from the current router); '' = off")
+    dispatch_dtype: str = _help("auto", "the rows of the expert all-to-all: 'auto' (the compute dtype: bf16 under parallel.precision=bf16, fp32 under fp32; every direction), 'fp32', 'bf16', or 'fp8' (forward dispatch as float8 e4m3 with one fp32 scale per 128 channels of a row, dequantized on arrival; combine and both backwards bf16). Part of the layer's function: one process rounds the same way")
     replica_slots: int = _help(0, "hot-expert replication under expert parallelism: extra expert slots per ep rank for replicas of the step's hottest experts (same function, rows per rank nearer the mean); 0 = off, needs parallel.ep > 1")
 
     def __post_init__(self):
@@ -243,6 +245,7 @@ class MoEConfig:
         _choice(self, s, "score_func", SCORE_FUNCS)
         _choice(self, s, "balance_loss", BALANCE_LOSSES)
         _choice(self, s, "experts_impl", EXPERT_IMPLS)
+        _choice(self, s, "dispatch_dtype", DISPATCH_DTYPES)
         if self.force_balance not in (True, False):
             raise ValueError(f"moe.force_balance={self.force_balance!r} must be true or false")
         if self.force_balance and self.router != "token_choice":
@@ -293,7 +296,8 @@ class MoEConfig:
                     shared_expert_gate=self.shared_expert_gate, swiglu_alpha=self.swiglu_alpha,
                     swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss,
                     experts_impl=self.experts_impl, force_balance=self.force_balance,
-                    replica_slots=self.replica_slots, a2a_overlap_degree=self.a2a_overlap_degree)
+                    replica_slots=self.replica_slots, a2a_overlap_degree=self.a2a_overlap_degree,
+                    dispatch_dtype=self.dispatch_dtype)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

@@ -5,9 +5,15 @@ Built on `all_to_all_single` with explicit split sizes because the list form of 
 rejects uneven sizes on gloo. The backward of an exchange is the reverse exchange (swap the
 split lists). Bytes are counted where every collective is seen, at the torch.distributed
 boundary (parallel/ledger.py: kind expert_all_to_all), not here.
+
+With a `wire` (moe/wire.py: moe.dispatch_dtype) the rows travel encoded (bf16, or fp8 bytes
+with their tile scales) and are decoded on arrival into the dtype they were sent from; their
+gradients travel back in the wire's backward dtype.
 """
 import torch
 import torch.distributed as dist
+
+from .wire import decode, encode
 
 __all__ = ["all_to_all", "exchange_counts", "start_exchange"]
 
@@ -26,31 +32,42 @@ def _exchange(x_ND, out_splits, in_splits, group):
     return start_exchange(x_ND, out_splits, in_splits, group, async_op=False)[0]
 
 
+def exchange_in(fmt, x_ND, out_splits, in_splits, group):
+    """The rows of x_ND exchanged in format `fmt` (None: as they are), back in x_ND's dtype."""
+    if fmt is None or fmt == x_ND.dtype:
+        return _exchange(x_ND, out_splits, in_splits, group)
+    got = _exchange(encode(x_ND, fmt), out_splits, in_splits, group)
+    return decode(got, fmt, x_ND.shape[-1], x_ND.dtype)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x_ND, out_splits, in_splits, group)
+    def forward(ctx, x_ND, out_splits, in_splits, group, wire):
+        ctx.splits, ctx.group, ctx.wire = (out_splits, in_splits), group, wire
+        return exchange_in(None if wire is None else wire.forward, x_ND, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad_ND):
         out_splits, in_splits = ctx.splits
+        fmt = None if ctx.wire is None else ctx.wire.backward
         # Rows came in as out_splits: send each rank's gradient back where its row came from.
-        return _exchange(grad_ND, in_splits, out_splits, ctx.group), None, None, None
+        return exchange_in(fmt, grad_ND, in_splits, out_splits, ctx.group), None, None, None, None
 
 
-def all_to_all(x_ND: torch.Tensor, out_splits: list, in_splits: list, group=None) -> torch.Tensor:
+def all_to_all(x_ND: torch.Tensor, out_splits: list, in_splits: list, group=None,
+               wire=None) -> torch.Tensor:
     """Send rows x_ND[sum(in_splits[:p]) : sum(in_splits[:p+1])] to rank p of `group`.
 
     Returns the received rows, ordered by source rank, `out_splits[p]` from rank p. Zero
     splits are fine. Differentiable: the gradient flows back by the reverse exchange, so
-    every rank of the group must also run backward (or none).
+    every rank of the group must also run backward (or none). wire: a moe/wire.py Wire (the
+    rows' format each way), or None (as they are).
     """
     if x_ND.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all: x has {x_ND.shape[0]} rows but in_splits sum to "
                          f"{sum(in_splits)}")
     with torch.profiler.record_function("moe.all_to_all"):
-        return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group)
+        return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group, wire)
 
 
 def exchange_counts(send_counts_PL: torch.Tensor, group=None) -> torch.Tensor:

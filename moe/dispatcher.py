@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .routing import Routing
+from .wire import round_trip
 
 
 @dataclass(frozen=True)
@@ -91,17 +92,18 @@ class LocalDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        """-> (x_ND, counts_E, meta); counts_E a long [E] tensor on the device."""
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, wire=None):
+        """-> (x_ND, counts_E, meta); counts_E a long [E] tensor on the device. wire: the
+        exchange's format (moe/wire.py), applied here as the same rounding with no exchange."""
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
         x_ND, token_N, gate_N, slot_N = gather_sorted(x_TD, routing, order_A)
         meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token, routing.num_tokens,
                             counts_E)
-        return x_ND, counts_E, meta
+        return round_trip(x_ND, wire), counts_E, meta
 
     def expert_weights(self, params: tuple, meta: DispatchMeta) -> tuple:
         """The weights of every expert slot: here just the experts (no replicas)."""
         return params
 
-    def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch.Tensor:
-        return weighted_combine(y_ND, meta, out_dtype)
+    def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype, wire=None) -> torch.Tensor:
+        return weighted_combine(round_trip(y_ND, wire), meta, out_dtype)

@@ -16,6 +16,7 @@ from .experts import DenseFFN, ExpertBank, check_activation
 from .losses import BalanceLoss
 from .router import Router
 from .stats import RoutingStats
+from .wire import check_dispatch_dtype, wire_formats
 
 
 FORCE_BALANCE_WARNING = ("MoELayer(force_balance=True): expert assignments are forced to an "
@@ -102,6 +103,11 @@ class MoELayer(nn.Module):
           overlap likewise, and the shared experts run while the first dispatch flies
           (moe/overlap.py). Same function as d = 1. Takes effect when the layer is sharded
           over an ep group of more than one rank (an error otherwise).
+      dispatch_dtype: "auto" (default), "fp32", "bf16" or "fp8": the format of the rows in
+          the expert all-to-all, each direction (moe/wire.py): auto = the compute dtype
+          (autocast's, else the input's); fp8 = e4m3 rows with one fp32 scale per 128
+          channels for the forward dispatch, bf16 for the combine and both backwards. Part
+          of the layer's function: one process applies the same rounding at the same points.
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
@@ -118,7 +124,8 @@ class MoELayer(nn.Module):
                  swiglu_limit: float = 7.0, logits_dtype=None, score_dtype=None,
                  expert_capacity=None, balance_loss: str = "sequence",
                  experts_impl: str = "auto", force_balance: bool = False,
-                 replica_slots: int = 0, a2a_overlap_degree: int = 1):
+                 replica_slots: int = 0, a2a_overlap_degree: int = 1,
+                 dispatch_dtype: str = "auto"):
         super().__init__()
         config = RoutingConfig(
             num_experts=num_experts, top_k=top_k, kind=router, capacity_factor=capacity_factor,
@@ -129,11 +136,13 @@ class MoELayer(nn.Module):
             force_balance=force_balance, balance_loss=balance_loss)
         _check_layer_args(d_model, d_ff, num_shared_experts, shared_expert_gate, replica_slots)
         _check_overlap_degree(a2a_overlap_degree)
+        check_dispatch_dtype(dispatch_dtype)
         check_activation(activation)
         if force_balance:
             warnings.warn(FORCE_BALANCE_WARNING, stacklevel=2)
         self.replica_slots = replica_slots
         self.a2a_overlap_degree = a2a_overlap_degree
+        self.dispatch_dtype = dispatch_dtype
         self.timeline = None  # set_timeline: a moe/profiling/timeline.py Timeline, or None
         self.d_model, self.d_ff = d_model, d_ff
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -223,16 +232,17 @@ class MoELayer(nn.Module):
                 losses["load_balance"] = self.balance(routing.probs_GSE, routing.ids_GSK, mask_GS)
             losses["z_loss"] = routing.z_loss
         x_TD = x_GSD.reshape(-1, D)
+        wires = wire_formats(self.dispatch_dtype, x_TD)  # (dispatch, combine)
         if self._overlapped():
-            y_TD, meta = self._overlapped_forward(x_TD, routing, x.dtype)
+            y_TD, meta = self._overlapped_forward(x_TD, routing, x.dtype, wires)
         else:
             with record_function("moe.dispatch"):
-                x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing)
+                x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, wires[0])
             with record_function("moe.experts"):
                 extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
                 y_ND = self._run_experts(x_ND, counts_E, extend)
             with record_function("moe.combine"):
-                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype)
+                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype, wires[1])
             if self.shared_experts is not None and not self.shared_run_outside:
                 with record_function("moe.shared_experts"):
                     y_TD = y_TD + self.shared_experts(x_TD)
@@ -252,7 +262,7 @@ class MoELayer(nn.Module):
         return self.ep_group is not None and not isinstance(self.dispatcher, LocalDispatcher) \
             and (self.a2a_overlap_degree > 1 or self.timeline is not None)
 
-    def _overlapped_forward(self, x_TD, routing, out_dtype):
+    def _overlapped_forward(self, x_TD, routing, out_dtype, wires):
         from .overlap import overlapped_experts
         shared = None
         if self.shared_experts is not None and not self.shared_run_outside:
@@ -260,7 +270,7 @@ class MoELayer(nn.Module):
         with record_function("moe.overlapped_experts"):
             y_TD, meta, shared_TD = overlapped_experts(
                 self.dispatcher, x_TD, routing, self._run_experts, self.a2a_overlap_degree,
-                out_dtype, in_flight=shared, timeline=self.timeline)
+                out_dtype, in_flight=shared, timeline=self.timeline, wires=wires)
         return (y_TD if shared_TD is None else y_TD + shared_TD), meta
 
     def set_dropless_eval(self) -> None:
@@ -294,6 +304,8 @@ class MoELayer(nn.Module):
             s += f", replica_slots={self.replica_slots}"
         if self.a2a_overlap_degree > 1:
             s += f", a2a_overlap_degree={self.a2a_overlap_degree}"
+        if self.dispatch_dtype != "auto":
+            s += f", dispatch_dtype={self.dispatch_dtype}"
         return s + (", force_balance=True (BENCHMARK ONLY: routing ignored)"
                     if self.force_balance else "")
 
@@ -319,6 +331,8 @@ class MoELayer(nn.Module):
             parts.append(f"replica_slots={self.replica_slots}")
         if self.a2a_overlap_degree > 1:
             parts.append(f"a2a_overlap_degree={self.a2a_overlap_degree}")
+        if self.dispatch_dtype != "auto":
+            parts.append(f"dispatch_dtype={self.dispatch_dtype}")
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

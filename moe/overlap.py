@@ -23,6 +23,7 @@ import contextlib
 import torch
 
 from .all_to_all import start_exchange
+from .wire import decode, encode
 from .dispatcher import weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
@@ -31,38 +32,49 @@ __all__ = ["chunk_tables", "overlapped_experts"]
 
 class _Pending:
     """The work handle of one in-flight exchange, handed from _Issue to _Wait (and back in
-    backward). One per exchange, created by the caller: no state outlives the step."""
-    __slots__ = ("work", "name", "timeline", "grad_in")
+    backward). One per exchange, created by the caller: no state outlives the step. wire:
+    the rows' format each way (moe/wire.py), or None."""
+    __slots__ = ("work", "name", "timeline", "wire", "raw", "decode_as")
 
-    def __init__(self, name, timeline):
-        self.work, self.name, self.timeline = None, name, timeline
-        self.grad_in = None   # backward: the input's gradient the reverse exchange fills
+    def __init__(self, name, timeline, wire):
+        self.work, self.name, self.timeline, self.wire = None, name, timeline, wire
+        self.raw, self.decode_as = None, None
 
-    def issue(self, x, out_splits, in_splits, group, name):
-        """Start the exchange of x (moe/all_to_all.py); -> the buffer it fills."""
-        out, self.work = start_exchange(x, out_splits, in_splits, group)
+    def issue(self, x, out_splits, in_splits, group, name, fmt):
+        """Start the exchange of x in format fmt (None: as it is, moe/all_to_all.py); -> the
+        buffer it fills, or None when the rows travel encoded (`wait` decodes them)."""
+        self.decode_as = None if fmt is None or fmt == x.dtype else (fmt, x.shape[-1], x.dtype)
+        payload = x if self.decode_as is None else encode(x, fmt)
+        self.raw, self.work = start_exchange(payload, out_splits, in_splits, group)
         if self.timeline is not None:
             self.timeline.issued(name)
-        return out
+        return self.raw if self.decode_as is None else None
 
     def wait(self, name):
+        """-> the received rows (decoded into the sent dtype)."""
         span = contextlib.nullcontext() if self.timeline is None else self.timeline.span("wait", name)
         with span:
             self.work.wait()
-        self.work = None
+        self.work, got, self.raw = None, self.raw, None
+        return got if self.decode_as is None else decode(got, *self.decode_as)
+
+
+def _fmt(wire, backward: bool):
+    return None if wire is None else (wire.backward if backward else wire.forward)
 
 
 class _Issue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, pending, out_splits, in_splits, group):
         ctx.pending = pending
-        return pending.issue(x_ND, out_splits, in_splits, group, pending.name)
+        out = pending.issue(x_ND, out_splits, in_splits, group, pending.name, _fmt(pending.wire, False))
+        # encoded rows: a placeholder links _Issue to _Wait (one element, never read)
+        return out if out is not None else x_ND.new_empty((1, 1)).expand(sum(out_splits), x_ND.shape[-1])
 
     @staticmethod
     def backward(ctx, _grad_out):   # the tensor _Wait's backward is sending
         pending = ctx.pending
-        pending.wait(pending.name + " bwd")   # the reverse exchange _Wait issued
-        grad_in, pending.grad_in = pending.grad_in, None
+        grad_in = pending.wait(pending.name + " bwd")   # the reverse exchange _Wait issued
         return grad_in, None, None, None, None
 
 
@@ -70,20 +82,20 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, pending, out_splits, in_splits, group):
         ctx.pending, ctx.splits, ctx.group = pending, (out_splits, in_splits), group
-        pending.wait(pending.name)
-        return out.view_as(out)
+        got = pending.wait(pending.name)
+        return got.view_as(got) if got is out else got
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        # _Issue's backward waits, then returns what the reverse exchange filled
-        ctx.pending.grad_in = ctx.pending.issue(grad, in_splits, out_splits, ctx.group,
-                                                ctx.pending.name + " bwd")
+        # _Issue's backward waits for it and returns what arrived
+        ctx.pending.issue(grad, in_splits, out_splits, ctx.group, ctx.pending.name + " bwd",
+                          _fmt(ctx.pending.wire, True))
         return grad, None, None, None, None
 
 
-def _start(x_ND, out_splits, in_splits, group, name, timeline):
-    pending = _Pending(name, timeline)
+def _start(x_ND, out_splits, in_splits, group, name, timeline, wire=None):
+    pending = _Pending(name, timeline, wire)
     return _Issue.apply(x_ND, pending, tuple(out_splits), tuple(in_splits), group), pending
 
 
@@ -110,14 +122,15 @@ def _send_rows(table_PPW: torch.Tensor, rank: int, degree: int, c: int) -> torch
 
 
 def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_dtype,
-                       in_flight=None, timeline=None):
+                       in_flight=None, timeline=None, wires=(None, None)):
     """-> (y_TD, meta, in_flight()'s result): the routed experts' combined output for x_TD, the dispatch cut into
     `degree` chunks whose exchanges overlap the experts of the previous chunk.
 
     run_experts(x_ND, counts_L, extend) -> y_ND computes rows already grouped by local slot
     (extend: ExpertBank.forward's; replica weights are fetched once, by the first chunk).
     in_flight() runs while the first dispatch is in flight (the layer's shared experts) and
-    its result is returned third. timeline: a moe/profiling/timeline.py Timeline, or None."""
+    its result is returned third. timeline: a moe/profiling/timeline.py Timeline, or None.
+    wires: the (dispatch, combine) formats of the rows on the wire (moe/wire.py)."""
     sp = dispatcher.plan(x_TD, routing)
     group, r = dispatcher.group, dispatcher.rank
     tables = chunk_tables(sp.table_PPW, degree)
@@ -136,7 +149,7 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
     def issue(c):
         ex = plans[c]
         return _start(sp.x_AD.index_select(0, rows[c]), ex.recv_splits, ex.send_splits, group,
-                      f"dispatch {c}", timeline)
+                      f"dispatch {c}", timeline, wires[0])
 
     flying, extra = {0: issue(0)}, None
     if in_flight is not None:
@@ -150,7 +163,7 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
         perm, unperm = ex.perm_N.to(x_ND.device), ex.unperm_N.to(x_ND.device)
         y_ND = _span(timeline, f"experts {c}", lambda: run_experts(x_ND[perm], list(ex.counts_L), extend))
         returning.append(_start(y_ND[unperm], ex.send_splits, ex.recv_splits, group,
-                                f"combine {c}", timeline))
+                                f"combine {c}", timeline, wires[1]))
     y_parts = [_finish(returning[c], plans[c].send_splits, plans[c].recv_splits, group)
                for c in range(degree)]
     order_A = torch.cat(rows)

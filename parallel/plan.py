@@ -460,6 +460,10 @@ def _check_replicas(p: ParallelPlan, moe_cfg) -> None:
 
 
 def _check_overlap(p: ParallelPlan, moe_cfg) -> None:
+    if getattr(moe_cfg, "dispatch_dtype", "auto") == "fp8" and p.precision == "fp16":
+        raise _err("moe.dispatch_dtype=fp8 sends the gradients and the combine in bf16, which "
+                   "parallel.precision=fp16's loss scaling does not expect; use precision=bf16 "
+                   "(or fp32), or moe.dispatch_dtype=auto")
     d = getattr(moe_cfg, "a2a_overlap_degree", 1)
     if d > 1 and p.ep == 1:
         raise _err(f"moe.a2a_overlap_degree={d} overlaps the expert-parallel all-to-all, but "

@@ -52,7 +52,8 @@ NON_STRUCTURAL = {"model": {"dropout"},
                   "moe": {"capacity_factor", "eval_capacity_factor", "aux_loss_coef",
                           "z_loss_coef", "jitter", "bias_update_rate",
                           # how the layer runs, not what it holds: same weights and state
-                          "experts_impl", "replica_slots", "a2a_overlap_degree", "router_replay"}}
+                          "experts_impl", "replica_slots", "a2a_overlap_degree", "router_replay",
+                          "dispatch_dtype"}}
 
 
 def checkpoint_root(run_dir) -> Path:

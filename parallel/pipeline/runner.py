@@ -63,10 +63,14 @@ class PipelineRunner:
 
     def _total_loss(self, losses, last):
         mb = self.plan.microbatches
-        task = torch.stack([l.detach().float() for l in losses]).mean() if last and losses else torch.zeros(())
+        # on the run's device: NCCL rejects host tensors (a first stage of dense blocks only,
+        # as DeepSeek-V3's, has neither a loss nor an aux loss to start from)
+        device = local(next(self.model.parameters())).device
+        zero = torch.zeros((), device=device)
+        task = torch.stack([l.detach().float() for l in losses]).mean() if last and losses else zero
         # the last mb * layers records: the first step also runs a shape-inference forward
         n = mb * sum(isinstance(m, MoELayer) for m in self.model.modules())
-        aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / mb if n else torch.zeros(())
+        aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / mb if n else zero
         self._stage_aux = aux  # kept apart from _aux, which later (eval) forwards append to
         total = (task + aux).reshape(1)
         dist.all_reduce(total, group=self.meshes.group("pp"))

@@ -18,9 +18,11 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
   tied embedding (pp > 1): all-reduce of the held gradient of the shared weight
   pipeline: per micro-batch the activation [b, S, D] forward (not from the last stage)
     and its gradient back (not from the first); plus 8 bytes of loss sums over pp
-  expert all-to-all, per MoE layer and micro-batch: 2 (A + r A) rows of D (dispatch and
-    combine, forward and backward; A = b S K / tp own rows, r A received at imbalance r,
-    capped by the capacity factor), + the P x L int64 count table
+  expert all-to-all, per MoE layer and micro-batch: A rows dispatched and r A combined
+    forward, r A and A rows of gradients backward (A = b S K / tp own rows, r A received at
+    imbalance r, capped by the capacity factor), each direction in its moe.dispatch_dtype
+    format (moe/wire.py: auto = 2 bytes a channel under bf16/fp16, 4 under fp32; fp8 = D + 4
+    ceil(D/128) bytes a row forward, bf16 the rest), + the P x L int64 count table
   expert tensor parallel (etp > 1), per MoE layer and micro-batch: 4 n N rows of D (the
     gather and the partial outputs, forward and backward; N rows reached this rank's
     experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
@@ -52,6 +54,8 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
   other: the gradient-norm all-reduce (4 bytes) and the step's agreement flags (16 bytes)
 """
 from collections import Counter
+
+from moe.wire import TILE
 
 from ..ledger import KINDS, classify
 from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
@@ -169,16 +173,27 @@ def _experts(w, plan, state, book) -> None:
     moe, seqs = w.moe_cfg, micro_seqs(w, plan)
     again = plan.recompute == "full"  # recomputation repeats dispatch and combine
     r = w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
-    rows = 0.0
+    dispatch_b, combine_b, backward_b = a2a_row_bytes(getattr(moe, "dispatch_dtype", "auto"),
+                                                      plan.precision, w.model_cfg.d_model)
+    nbytes = 0.0
     for stream, S in w.stream_tokens.items():
         n = len(moe_blocks)
         own = seqs * local_tokens(plan, S) * moe.top_k / plan.tp
         if moe.capacity_factor and moe.capacity_factor < 1:
             own *= moe.capacity_factor
-        rows += n * (3 if again else 2) * (own + r * own)
-    row_bytes = w.model_cfg.d_model * 4
+        forward = own * dispatch_b + r * own * combine_b
+        nbytes += n * ((2 if again else 1) * forward + (own + r * own) * backward_b)
     table = moe.num_experts * 8 * len(moe_blocks) * len(w.stream_tokens) * (2 if again else 1)
-    book("a2a", "ep", (rows * row_bytes + table) * micro_count(w, plan))
+    book("a2a", "ep", (nbytes + table) * micro_count(w, plan))
+
+
+def a2a_row_bytes(mode: str, precision: str, D: int) -> tuple:
+    """Bytes of one row of the expert all-to-all: (forward dispatch, forward combine, either
+    backward), moe/wire.py's formats (auto: the compute dtype, act_bytes)."""
+    if mode == "fp8":
+        return D + 4 * -(-D // TILE), 2 * D, 2 * D
+    a = {"auto": act_bytes(precision), "fp32": 4, "bf16": 2}[mode]
+    return a * D, a * D, a * D
 
 
 def _expert_tensor(w, plan, moe_blocks, book) -> None:

@@ -31,6 +31,7 @@ TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.d_ff=6
         "log.tensorboard=false", "log.progress=none"]
 SWITCH = ["model.arch=switch", "model.vocab_size=384", "model.n_layers=2"]  # + sentinel ids
 MUON = ["train.optimizer=muon"]
+FP8_DISPATCH = ["moe.dispatch_dtype=fp8"]
 LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep are inside the
     # zero-1 and composed layouts (same all-reduce and all-to-all terms), to keep the launches few
     (1, {}),
@@ -61,6 +62,10 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # (ZeRO-1 slices of 1-D tensor-parallel blocks; the 2-D grid's blocks)
     (4, {"dp": 2, "tp": 2, "zero": 1}, MUON),
     (4, {"dp": 1, "tp": 4, "tp_mode": "2d"}, MUON),
+    # the expert all-to-all's wire formats (moe.dispatch_dtype): auto under bf16 sends bf16
+    # rows every way; fp8 sends e4m3 rows + a scale per 128 channels forward, bf16 the rest
+    (2, {"dp": 2, "ep": 2, "precision": "bf16"}),
+    (2, {"dp": 2, "ep": 2}, FP8_DISPATCH),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
@@ -107,7 +112,8 @@ def test_planner_predicts_measured_runs(tmp_path):
             for i, (world, spec, *extra) in enumerate(LAYOUTS)]
     measured = _measure_all(jobs, tmp_path)
     for (world, spec, *extra), (_, args), recs in zip(LAYOUTS, jobs, measured):
-        name = f"w{world} " + ({tuple(SWITCH): "switch ", tuple(MUON): "muon "}[tuple(extra[0])] if extra else "") + \
+        name = f"w{world} " + ({tuple(SWITCH): "switch ", tuple(MUON): "muon ",
+                                 tuple(FP8_DISPATCH): "fp8 dispatch "}[tuple(extra[0])] if extra else "") + \
             (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
         pred = _predict(world, args)
         stage = pred.rank0()

@@ -102,6 +102,8 @@ def test_bad_files(tmp_path):
     (["moe.a2a_overlap_degree=0"], 1, ["moe.a2a_overlap_degree", ">= 1"]),
     (["moe.a2a_overlap_degree=2", "parallel.ep=2", "parallel.zero=3"], 2,
      ["moe.a2a_overlap_degree=2", "parallel.zero=3"]),
+    (["moe.dispatch_dtype=fp16"], 1, ["moe.dispatch_dtype", "fp8"]),
+    (["moe.dispatch_dtype=fp8", "parallel.precision=fp16"], 1, ["moe.dispatch_dtype=fp8", "precision=bf16"]),
     (["parallel.ps_servers=3"], 2, ["parallel.ps_servers=3", "at most 2"]),
     (["parallel.ps_servers=2", "parallel.zero=1"], 2, ["parallel.ps_servers=2", "parallel.zero=0"]),
     (["parallel.ps_servers=2", "parallel.ep=2"], 2, ["parallel.ps_servers=2", "parallel.ep=1"]),

@@ -1,0 +1,116 @@
+"""Benchmark: bytes of the expert all-to-all per token per MoE layer, and step time, for each
+moe.dispatch_dtype (moe/wire.py), against the fp32 rows moekit sent before it existed.
+
+Shapes: T tokens per rank, D model dim (DeepSeek-V3's h = 7168), F expert d_ff (small: the
+subject is the exchange), E experts, K top-k, P ranks.
+
+Measured (P spawned processes, gloo on CPU; NCCL with one GPU per rank): one MoELayer with
+its experts over the P ranks, forward + backward. Per mode:
+  B/token    the ledger's expert_all_to_all bytes this rank handed over (dispatch and
+             combine, forward and backward; the count table included) per token
+  ratio      B/token over fp32's, and the planner's ratio from parallel/planner/comm.py's
+             a2a_row_bytes (they must agree)
+  step ms    median wall time of forward + backward (slowest rank); 2 shared CPU cores time
+             the casts and the copies, not a network: read the bytes
+  err        the layer output's relative error against the bf16 mode, ||y - y_bf16|| /
+             ||y_bf16|| (the same weights and tokens; computed under bf16 autocast)
+Then the planner's figure for a whole model: DeepSeek-V3 (top-8 of 256 experts, EP64 over 8
+nodes of 8 GPUs, uniform routing: 7/8 of a token's copies go to another node) in bytes per
+token per MoE layer across nodes, forward + backward, for each mode. The issue's 401 KB for
+bf16 is this count.
+
+Run:  python bench/dispatch.py            (P=2, T=256, D=7168, F=64, E=16, K=8; ~1 minute)
+      python bench/dispatch.py --quick    (D=512, T=64; seconds)
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe import MoELayer  # noqa: E402
+from parallel.expert import apply_expert_parallel  # noqa: E402
+from parallel.ledger import CommLedger  # noqa: E402
+from parallel.planner.comm import a2a_row_bytes  # noqa: E402
+from tests.dist.harness import run_distributed  # noqa: E402
+
+MODES = ("fp32", "bf16", "fp8", "auto")  # auto under bf16 autocast
+
+
+def _worker(rank, world, cfg):
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(cfg["T"] // 16, 16, cfg["D"], generator=g).to(dev)
+    out, ys = {}, {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        layer = MoELayer(cfg["D"], cfg["F"], cfg["E"], top_k=cfg["K"], activation="swiglu",
+                         dispatch_dtype=mode).to(dev)
+        apply_expert_parallel(layer, dist.group.WORLD)
+        ledger = CommLedger({"ep": dist.group.WORLD})
+        times, nbytes = [], None
+        for it in range(cfg["warmup"] + cfg["iters"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with ledger.recording(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode != "fp32"):
+                y = layer(x)
+                y.float().square().mean().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if it >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+            nbytes = ledger.take().get("expert_all_to_all", 0)
+        ys[mode] = y.detach().float()
+        out[mode] = dict(bytes=nbytes, step=statistics.median(times))
+    for mode in MODES:
+        out[mode]["err"] = float((ys[mode] - ys["bf16"]).norm() / ys["bf16"].norm())
+    return out
+
+
+def _deepseek_v3_table() -> None:
+    D, K, remote = 7168, 8, 7 / 8
+    print(f"\nplanner, DeepSeek-V3 (h={D}, top-{K}, EP64 over 8 nodes, uniform routing): "
+          f"bytes per token per MoE layer across nodes, forward + backward")
+    base = None
+    for mode, precision in (("fp32", "fp32"), ("auto", "bf16"), ("fp8", "bf16")):
+        disp, comb, bwd = a2a_row_bytes(mode, precision, D)
+        per_token = K * remote * (disp + comb + 2 * bwd)
+        base = base or per_token
+        print(f"  {mode:<5} under {precision:<5} {per_token / 1e3:>8.1f} KB  {per_token / base:.3f} of fp32")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="toy sizes, seconds")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    args = ap.parse_args()
+    cfg = dict(T=256, D=7168, F=64, E=16, K=8, warmup=1, iters=3)
+    if args.quick:
+        cfg.update(T=64, D=512, warmup=1, iters=2)
+    P = args.world
+    print(f"P={P} T={cfg['T']}/rank D={cfg['D']} F={cfg['F']} E={cfg['E']} K={cfg['K']} swiglu, "
+          f"fwd+bwd, median of {cfg['iters']} (slowest rank); bf16/fp8/auto under bf16 autocast")
+    results = run_distributed(_worker, P, cfg, timeout=900)
+    table = P * cfg["E"] * 8   # each rank's count exchange
+
+    def rows_bytes(mode):  # all ranks: rows sent = rows received, whatever the routing
+        return sum(r[mode]["bytes"] - table for r in results)
+    base = rows_bytes("fp32")
+    f32 = a2a_row_bytes("fp32", "fp32", cfg["D"])
+    print(f"{'mode':<6} {'B/token':>10} {'ratio':>7} {'planner':>8} {'step ms':>8} {'err vs bf16':>12}")
+    for mode in MODES:
+        disp, comb, bwd = a2a_row_bytes(mode, "fp32" if mode == "fp32" else "bf16", cfg["D"])
+        planner = (disp + comb + 2 * bwd) / (f32[0] + f32[1] + 2 * f32[2])
+        step = max(r[mode]["step"] for r in results)
+        print(f"{mode:<6} {rows_bytes(mode) / (P * cfg['T']):>10.0f} {rows_bytes(mode) / base:>7.3f} "
+              f"{planner:>8.3f} {step * 1e3:>8.1f} {results[0][mode]['err']:>12.2e}")
+    _deepseek_v3_table()
+
+
+if __name__ == "__main__":
+    main()
