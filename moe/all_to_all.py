@@ -13,7 +13,7 @@ gradients travel back in the wire's backward dtype.
 import torch
 import torch.distributed as dist
 
-from .wire import decode, encode
+from .wire import arrival_dtype, decode, encode
 
 __all__ = ["all_to_all", "exchange_counts", "start_exchange"]
 
@@ -32,26 +32,33 @@ def _exchange(x_ND, out_splits, in_splits, group):
     return start_exchange(x_ND, out_splits, in_splits, group, async_op=False)[0]
 
 
-def exchange_in(fmt, x_ND, out_splits, in_splits, group):
-    """The rows of x_ND exchanged in format `fmt` (None: as they are), back in x_ND's dtype."""
+def exchange_in(fmt, x_ND, out_splits, in_splits, group, arrive=None):
+    """The rows of x_ND exchanged in format `fmt` (None: as they are), decoded into `arrive`
+    (None: x_ND's dtype)."""
     if fmt is None or fmt == x_ND.dtype:
-        return _exchange(x_ND, out_splits, in_splits, group)
+        got = _exchange(x_ND, out_splits, in_splits, group)
+        return got if arrive is None else got.to(arrive)
     got = _exchange(encode(x_ND, fmt), out_splits, in_splits, group)
-    return decode(got, fmt, x_ND.shape[-1], x_ND.dtype)
+    return decode(got, fmt, x_ND.shape[-1], arrive or x_ND.dtype)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group, wire):
-        ctx.splits, ctx.group, ctx.wire = (out_splits, in_splits), group, wire
-        return exchange_in(None if wire is None else wire.forward, x_ND, out_splits, in_splits, group)
+        ctx.splits, ctx.group, ctx.wire, ctx.in_dtype = (out_splits, in_splits), group, wire, x_ND.dtype
+        if wire is None:
+            return _exchange(x_ND, out_splits, in_splits, group)
+        return exchange_in(wire.forward, x_ND, out_splits, in_splits, group,
+                           arrival_dtype(x_ND, wire.forward))
 
     @staticmethod
     def backward(ctx, grad_ND):
         out_splits, in_splits = ctx.splits
         fmt = None if ctx.wire is None else ctx.wire.backward
-        # Rows came in as out_splits: send each rank's gradient back where its row came from.
-        return exchange_in(fmt, grad_ND, in_splits, out_splits, ctx.group), None, None, None, None
+        # Rows came in as out_splits: send each rank's gradient back where its row came from,
+        # arriving in the dtype the rows were sent from.
+        grad = exchange_in(fmt, grad_ND, in_splits, out_splits, ctx.group, ctx.in_dtype)
+        return grad, None, None, None, None
 
 
 def all_to_all(x_ND: torch.Tensor, out_splits: list, in_splits: list, group=None,

@@ -23,7 +23,7 @@ import contextlib
 import torch
 
 from .all_to_all import start_exchange
-from .wire import decode, encode
+from .wire import arrival_dtype, decode, encode
 from .dispatcher import weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
@@ -34,17 +34,19 @@ class _Pending:
     """The work handle of one in-flight exchange, handed from _Issue to _Wait (and back in
     backward). One per exchange, created by the caller: no state outlives the step. wire:
     the rows' format each way (moe/wire.py), or None."""
-    __slots__ = ("work", "name", "timeline", "wire", "raw", "decode_as")
+    __slots__ = ("work", "name", "timeline", "wire", "raw", "decode_as", "in_dtype")
 
     def __init__(self, name, timeline, wire):
         self.work, self.name, self.timeline, self.wire = None, name, timeline, wire
-        self.raw, self.decode_as = None, None
+        self.raw, self.decode_as, self.in_dtype = None, None, None  # in_dtype: the rows sent
 
-    def issue(self, x, out_splits, in_splits, group, name, fmt):
-        """Start the exchange of x in format fmt (None: as it is, moe/all_to_all.py); -> the
-        buffer it fills, or None when the rows travel encoded (`wait` decodes them)."""
-        self.decode_as = None if fmt is None or fmt == x.dtype else (fmt, x.shape[-1], x.dtype)
-        payload = x if self.decode_as is None else encode(x, fmt)
+    def issue(self, x, out_splits, in_splits, group, name, fmt, arrive):
+        """Start the exchange of x in format fmt (None: as it is, moe/all_to_all.py), the rows
+        to arrive in `arrive`; -> the buffer it fills, or None when the rows travel encoded
+        or change dtype (`wait` decodes them)."""
+        plain = (fmt is None or fmt == x.dtype) and arrive == x.dtype
+        self.decode_as = None if plain else (fmt if fmt is not None else x.dtype, x.shape[-1], arrive)
+        payload = x if fmt is None or fmt == x.dtype else encode(x, fmt)
         self.raw, self.work = start_exchange(payload, out_splits, in_splits, group)
         if self.timeline is not None:
             self.timeline.issued(name)
@@ -67,9 +69,13 @@ class _Issue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, pending, out_splits, in_splits, group):
         ctx.pending = pending
-        out = pending.issue(x_ND, out_splits, in_splits, group, pending.name, _fmt(pending.wire, False))
+        pending.in_dtype = x_ND.dtype
+        fmt = _fmt(pending.wire, False)
+        arrive = x_ND.dtype if fmt is None else arrival_dtype(x_ND, fmt)
+        out = pending.issue(x_ND, out_splits, in_splits, group, pending.name, fmt, arrive)
         # encoded rows: a placeholder links _Issue to _Wait (one element, never read)
-        return out if out is not None else x_ND.new_empty((1, 1)).expand(sum(out_splits), x_ND.shape[-1])
+        return out if out is not None else \
+            x_ND.new_empty((1, 1), dtype=arrive).expand(sum(out_splits), x_ND.shape[-1])
 
     @staticmethod
     def backward(ctx, _grad_out):   # the tensor _Wait's backward is sending
@@ -90,7 +96,7 @@ class _Wait(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         # _Issue's backward waits for it and returns what arrived
         ctx.pending.issue(grad, in_splits, out_splits, ctx.group, ctx.pending.name + " bwd",
-                          _fmt(ctx.pending.wire, True))
+                          _fmt(ctx.pending.wire, True), ctx.pending.in_dtype)
         return grad, None, None, None, None
 
 

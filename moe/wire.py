@@ -18,14 +18,16 @@ process applies the same rounding at the same points (`round_trip`) as the exper
 exchange does by sending the encoded rows (moe/all_to_all.py), so every layout computes the
 same thing. Rounding is elementwise (fp8: per row tile), so it commutes with the row
 permutations around the exchange. Gradients pass the fp8 quantization straight through.
-Rows arrive in the dtype they were sent from.
+Rows arrive in the compute dtype when the format rounded them (`arrival_dtype`: bf16 rows
+under bf16 autocast stay bf16, no fp32 copy), else in their own; gradients go back in the
+dtype the rows were sent from.
 """
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["DISPATCH_DTYPES", "TILE", "Wire", "wire_formats", "encode", "decode", "round_trip",
+__all__ = ["DISPATCH_DTYPES", "TILE", "Wire", "wire_formats", "arrival_dtype", "encode", "decode", "round_trip",
            "quantize_tiles", "dequantize_tiles", "wire_row_bytes"]
 
 DISPATCH_DTYPES = ("auto", "fp32", "bf16", "fp8")
@@ -59,6 +61,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
+
+
+def arrival_dtype(x: torch.Tensor, fmt) -> torch.dtype:
+    """The dtype rows sent from x in format `fmt` arrive in: x's own when the format is
+    x's dtype (nothing was rounded), else the compute dtype (bf16 under bf16 autocast: the
+    experts would cast to it anyway, so no fp32 copy of the rows is made)."""
+    return x.dtype if fmt == x.dtype else compute_dtype(x)
 
 
 def wire_formats(mode: str, x: torch.Tensor) -> tuple:
@@ -122,17 +131,18 @@ def decode(payload: torch.Tensor, fmt, D: int, dtype) -> torch.Tensor:
 class _RoundTrip(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, wire: Wire):
-        ctx.wire = wire
-        return decode(encode(x_ND, wire.forward), wire.forward, x_ND.shape[-1], x_ND.dtype)
+        ctx.wire, ctx.in_dtype = wire, x_ND.dtype
+        arrive = arrival_dtype(x_ND, wire.forward)
+        return decode(encode(x_ND, wire.forward), wire.forward, x_ND.shape[-1], arrive)
 
     @staticmethod
     def backward(ctx, grad_ND):
-        return grad_ND.to(ctx.wire.backward).to(grad_ND.dtype), None
+        return grad_ND.to(ctx.wire.backward).to(ctx.in_dtype), None
 
 
 def round_trip(x_ND: torch.Tensor, wire: Optional[Wire]) -> torch.Tensor:
     """x_ND as it arrives after an exchange in `wire` (one process: no exchange, the same
-    rounding); None or a lossless format: x_ND itself."""
+    rounding, the same arrival dtype); None or a lossless format: x_ND itself."""
     if wire is None or (not wire.fp8 and wire.forward == x_ND.dtype and wire.backward == x_ND.dtype):
         return x_ND
     return _RoundTrip.apply(x_ND, wire)

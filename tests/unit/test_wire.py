@@ -115,3 +115,18 @@ def test_layer_rounds_at_the_exchange_points(mode):
 def test_bad_mode_names_the_field():
     with pytest.raises(ValueError, match=r"moe\.dispatch_dtype.*auto"):
         MoELayer(16, 32, 4, 2, dispatch_dtype="fp16")
+
+
+def test_rows_arrive_in_the_compute_dtype():
+    """Under bf16 autocast the rounded rows arrive in bf16 (no fp32 copy; the experts would
+    cast to it anyway) and their gradients go back in the dtype they were sent from."""
+    x = torch.randn(5, 160, requires_grad=True)
+    with torch.autocast("cpu", dtype=BF16):
+        for mode in ("auto", "bf16", "fp8"):
+            y = round_trip(x, wire_formats(mode, x)[0])
+            assert y.dtype == BF16, mode
+            (g,) = torch.autograd.grad(y.float().sum(), x)
+            assert g.dtype == torch.float32 and torch.equal(g, torch.ones_like(g))
+        assert round_trip(x, wire_formats("fp32", x)[0]) is x   # fp32 rows: nothing rounded
+    y = round_trip(x, Wire(BF16, BF16))                        # fp32 compute: back to fp32
+    assert y.dtype == torch.float32 and torch.equal(y, x.detach().to(BF16).float())
