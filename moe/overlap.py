@@ -53,7 +53,7 @@ class _Pending:
         return self.raw if self.decode_as is None else None
 
     def wait(self, name):
-        """-> the received rows (decoded into the sent dtype)."""
+        """-> the received rows (decoded into the arrival dtype issue() was given)."""
         span = contextlib.nullcontext() if self.timeline is None else self.timeline.span("wait", name)
         with span:
             self.work.wait()
