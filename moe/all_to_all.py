@@ -7,15 +7,16 @@ split lists). Bytes are counted where every collective is seen, at the torch.dis
 boundary (parallel/ledger.py: kind expert_all_to_all), not here.
 
 With a `wire` (moe/wire.py: moe.dispatch_dtype) the rows travel encoded (bf16, or fp8 bytes
-with their tile scales) and are decoded on arrival into the dtype they were sent from; their
-gradients travel back in the wire's backward dtype.
+with their tile scales) and are decoded on arrival into moe/wire.py's arrival_dtype; their
+gradients travel back in the wire's backward dtype and arrive in the dtype the rows were sent
+from.
 """
 import torch
 import torch.distributed as dist
 
 from .wire import arrival_dtype, decode, encode
 
-__all__ = ["all_to_all", "exchange_counts", "start_exchange"]
+__all__ = ["all_to_all", "exchange_counts", "start_exchange", "start_exchange_in"]
 
 
 def start_exchange(x_ND, out_splits, in_splits, group, async_op: bool = True):
@@ -32,14 +33,23 @@ def _exchange(x_ND, out_splits, in_splits, group):
     return start_exchange(x_ND, out_splits, in_splits, group, async_op=False)[0]
 
 
+def start_exchange_in(x_ND, out_splits, in_splits, group, fmt=None, arrive=None,
+                      async_op: bool = True):
+    """-> (out, work, finish): the exchange of x_ND's rows in format `fmt` (None: as they are)
+    issued as start_exchange does; finish(out), once it is done, gives the received rows in
+    `arrive` (None: x_ND's dtype), `out` itself when it already is."""
+    as_is = fmt is None or fmt == x_ND.dtype
+    payload = x_ND if as_is else encode(x_ND, fmt)
+    out, work = start_exchange(payload, out_splits, in_splits, group, async_op=async_op)
+    on_wire, D, dtype = (x_ND.dtype if as_is else fmt), x_ND.shape[-1], arrive or x_ND.dtype
+    return out, work, lambda got: decode(got, on_wire, D, dtype)
+
+
 def exchange_in(fmt, x_ND, out_splits, in_splits, group, arrive=None):
     """The rows of x_ND exchanged in format `fmt` (None: as they are), decoded into `arrive`
     (None: x_ND's dtype)."""
-    if fmt is None or fmt == x_ND.dtype:
-        got = _exchange(x_ND, out_splits, in_splits, group)
-        return got if arrive is None else got.to(arrive)
-    got = _exchange(encode(x_ND, fmt), out_splits, in_splits, group)
-    return decode(got, fmt, x_ND.shape[-1], arrive or x_ND.dtype)
+    out, _, finish = start_exchange_in(x_ND, out_splits, in_splits, group, fmt, arrive, async_op=False)
+    return finish(out)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -22,8 +22,8 @@ import contextlib
 
 import torch
 
-from .all_to_all import start_exchange
-from .wire import arrival_dtype, decode, encode
+from .all_to_all import start_exchange_in
+from .wire import arrival_dtype
 from .dispatcher import weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
@@ -34,23 +34,20 @@ class _Pending:
     """The work handle of one in-flight exchange, handed from _Issue to _Wait (and back in
     backward). One per exchange, created by the caller: no state outlives the step. wire:
     the rows' format each way (moe/wire.py), or None."""
-    __slots__ = ("work", "name", "timeline", "wire", "raw", "decode_as", "in_dtype")
+    __slots__ = ("work", "name", "timeline", "wire", "raw", "finish", "in_dtype")
 
     def __init__(self, name, timeline, wire):
         self.work, self.name, self.timeline, self.wire = None, name, timeline, wire
-        self.raw, self.decode_as, self.in_dtype = None, None, None  # in_dtype: the rows sent
+        self.raw, self.finish, self.in_dtype = None, None, None  # in_dtype: the rows sent
 
     def issue(self, x, out_splits, in_splits, group, name, fmt, arrive):
         """Start the exchange of x in format fmt (None: as it is, moe/all_to_all.py), the rows
-        to arrive in `arrive`; -> the buffer it fills, or None when the rows travel encoded
-        or change dtype (`wait` decodes them)."""
-        plain = (fmt is None or fmt == x.dtype) and arrive == x.dtype
-        self.decode_as = None if plain else (fmt if fmt is not None else x.dtype, x.shape[-1], arrive)
-        payload = x if fmt is None or fmt == x.dtype else encode(x, fmt)
-        self.raw, self.work = start_exchange(payload, out_splits, in_splits, group)
+        to arrive in `arrive`; -> the buffer it fills when that already holds them, else None
+        (they travel encoded or change dtype: `wait` decodes them)."""
+        self.raw, self.work, self.finish = start_exchange_in(x, out_splits, in_splits, group, fmt, arrive)
         if self.timeline is not None:
             self.timeline.issued(name)
-        return self.raw if self.decode_as is None else None
+        return self.raw if self.raw.dtype == arrive else None
 
     def wait(self, name):
         """-> the received rows (decoded into the arrival dtype issue() was given)."""
@@ -58,7 +55,7 @@ class _Pending:
         with span:
             self.work.wait()
         self.work, got, self.raw = None, self.raw, None
-        return got if self.decode_as is None else decode(got, *self.decode_as)
+        return self.finish(got)
 
 
 def _fmt(wire, backward: bool):

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DISPATCH_DTYPES", "TILE", "Wire", "wire_formats", "arrival_dtype", "encode", "decode", "round_trip",
+__all__ = ["DISPATCH_DTYPES", "TILE", "Wire", "named_formats", "wire_formats", "arrival_dtype", "encode", "decode", "round_trip",
            "quantize_tiles", "dequantize_tiles", "wire_row_bytes"]
 
 DISPATCH_DTYPES = ("auto", "fp32", "bf16", "fp8")
@@ -70,15 +70,20 @@ def arrival_dtype(x: torch.Tensor, fmt) -> torch.dtype:
     return x.dtype if fmt == x.dtype else compute_dtype(x)
 
 
+def named_formats(mode: str) -> tuple:
+    """(dispatch Wire, combine Wire) of a mode that names its formats (not auto)."""
+    if mode == "fp8":
+        return Wire("fp8", torch.bfloat16), Wire(torch.bfloat16, torch.bfloat16)
+    dt = _NAMED[mode]
+    return Wire(dt, dt), Wire(dt, dt)
+
+
 def wire_formats(mode: str, x: torch.Tensor) -> tuple:
     """(dispatch Wire, combine Wire) of `mode` for rows like x (auto resolved here)."""
     if mode == "auto":
         dt = compute_dtype(x)
         return Wire(dt, dt), Wire(dt, dt)
-    if mode == "fp8":
-        return Wire("fp8", torch.bfloat16), Wire(torch.bfloat16, torch.bfloat16)
-    dt = _NAMED[mode]
-    return Wire(dt, dt), Wire(dt, dt)
+    return named_formats(mode)
 
 
 def wire_row_bytes(fmt, D: int) -> int:

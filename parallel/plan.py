@@ -151,6 +151,7 @@ class ParallelPlan:
         if _has_moe(moe_cfg):
             _check_replicas(plan, moe_cfg)
             _check_overlap(plan, moe_cfg)
+            _check_dispatch_dtype(plan, moe_cfg)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
             if plan.pp > 1 and getattr(model_cfg, "n_layers", None) is not None:
@@ -459,11 +460,14 @@ def _check_replicas(p: ParallelPlan, moe_cfg) -> None:
                    f"not own (moe.num_experts={E}, parallel.ep={p.ep}); use at most {E - E // p.ep}")
 
 
-def _check_overlap(p: ParallelPlan, moe_cfg) -> None:
+def _check_dispatch_dtype(p: ParallelPlan, moe_cfg) -> None:
     if getattr(moe_cfg, "dispatch_dtype", "auto") == "fp8" and p.precision == "fp16":
         raise _err("moe.dispatch_dtype=fp8 sends the gradients and the combine in bf16, which "
                    "parallel.precision=fp16's loss scaling does not expect; use precision=bf16 "
                    "(or fp32), or moe.dispatch_dtype=auto")
+
+
+def _check_overlap(p: ParallelPlan, moe_cfg) -> None:
     d = getattr(moe_cfg, "a2a_overlap_degree", 1)
     if d > 1 and p.ep == 1:
         raise _err(f"moe.a2a_overlap_degree={d} overlaps the expert-parallel all-to-all, but "

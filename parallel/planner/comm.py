@@ -55,7 +55,7 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
 """
 from collections import Counter
 
-from moe.wire import TILE
+from moe.wire import named_formats, wire_row_bytes
 
 from ..ledger import KINDS, classify
 from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
@@ -190,10 +190,12 @@ def _experts(w, plan, state, book) -> None:
 def a2a_row_bytes(mode: str, precision: str, D: int) -> tuple:
     """Bytes of one row of the expert all-to-all: (forward dispatch, forward combine, either
     backward), moe/wire.py's formats (auto: the compute dtype, act_bytes)."""
-    if mode == "fp8":
-        return D + 4 * -(-D // TILE), 2 * D, 2 * D
-    a = {"auto": act_bytes(precision), "fp32": 4, "bf16": 2}[mode]
-    return a * D, a * D, a * D
+    if mode == "auto":
+        a = act_bytes(precision) * D
+        return a, a, a
+    dispatch, combine = named_formats(mode)
+    return (wire_row_bytes(dispatch.forward, D), wire_row_bytes(combine.forward, D),
+            wire_row_bytes(dispatch.backward, D))
 
 
 def _expert_tensor(w, plan, moe_blocks, book) -> None:
