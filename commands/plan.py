@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--imbalance", type=float, default=1.0,
                     help="dropless MoE: rows the busiest expert-parallel rank receives / the mean "
                          "(1 = balanced; with a capacity factor it is capped by it)")
+    ap.add_argument("--nodes-per-token", type=float, default=0.0,
+                    help="measured distinct nodes a token's experts lie on (the nodes_per_token mean "
+                         "of `python -m trainer.profile ... --nodes N`); prices moe.dispatch="
+                         "hierarchical's bytes across nodes (0 = uniform routing's expectation, "
+                         "under moe.max_nodes too)")
     ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
                     help="ZeRO stages to consider")
     ap.add_argument("--offload", nargs="+", default=["none", "optimizer", "params"],
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     hw = hardware(args)
-    w = workload_from_config(cfg, args.imbalance)
+    w = workload_from_config(cfg, args.imbalance, args.nodes_per_token)
     costs = model_costs(w.build_model(), w)
     head = (f"{args.config or 'defaults'} on {args.world} GPUs of {hw.gpu_mem_gb:g} GB "
             f"({hw.name}: {hw.gpus_per_node}/node, {hw.intra_bw_gbs:g}/{hw.inter_bw_gbs:g} GB/s "

@@ -1,19 +1,23 @@
 """`python -m trainer.profile`: expert-load profile of a train.py config's model on held-out data.
 
     python -m trainer.profile --config CONFIG.toml [--checkpoint DIR] --out DIR [--batches N]
-                              [section.field=value ...]
+                              [--nodes N] [section.field=value ...]
 
 Builds the model exactly as train.py does (trainer/model.py), loads the model weights of a
 checkpoint (a run dir: its latest complete checkpoint; or one checkpoint dir), runs N validation batches of train.batch_size sequences
 (the data split train.py evaluates on) and writes DIR/load.json, DIR/load.png and
 DIR/tensorboard. Without --checkpoint it profiles the freshly initialised model. Rows per
 expert-parallel rank are planned for the config's parallel.ep and moe.replica_slots from each
-batch's expert counts ("rank max/mean": without -> with replication).
+batch's expert counts ("rank max/mean": without -> with replication). --nodes N declares that
+the experts span N nodes (contiguous blocks of E/N): every MoE layer routes as it would on N
+nodes (moe.max_nodes binds) and the profile reports nodes per token.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
+from moe.aux import moe_layers
 from moe.profiling import profile_model
 
 from trainer.config import ConfigError, check_sections, load_config
@@ -48,6 +52,16 @@ def validation_batches(cfg, arch: str, n_batches: int, device):
     return (task.model_inputs(batch) for _, batch in chunks), load_tokenizer(data_dir)
 
 
+def declare_expert_nodes(model, nodes: int) -> None:
+    """Route every MoE layer of a one-process model as if its experts spanned `nodes` nodes:
+    the routing half of MoELayer.set_expert_nodes, which needs an ep group to shard."""
+    for name, layer in moe_layers(model):
+        try:
+            layer.router.config = dataclasses.replace(layer.router.config, expert_nodes=nodes)
+        except ValueError as e:
+            raise ValueError(f"--nodes={nodes} for layer {name}: {e}") from None
+
+
 def print_summary(report: dict, out) -> None:
     print(f"{'layer':40s} {'imbal':>6s} {'cv':>6s} {'entropy':>12s} {'dropped':>8s} "
           f"{'rank max/mean':>15s}  dead", file=out)
@@ -56,6 +70,12 @@ def print_summary(report: dict, out) -> None:
         print(f"{r['name'][-40:]:40s} {r['imbalance']:6.2f} {r['cv']:6.2f} "
               f"{r['entropy']:5.2f}/{r['entropy_max']:<5.2f} {100 * r['dropped_fraction']:7.1f}% "
               f"{ranks:>15s}  {r['dead_experts'] or '-'}", file=out)
+    for r in report["layers"]:
+        n = r["nodes_per_token"]
+        if n is not None:
+            print(f"{r['name'][-40:]:40s} nodes per token (of {n['expert_nodes']}, max_nodes="
+                  f"{n['max_nodes']}): mean {n['mean']:.2f}, max {n['max']}, tokens reaching "
+                  f"1..{n['expert_nodes']}: {n['tokens']}", file=out)
 
 
 def main(argv=None) -> int:
@@ -64,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", help="run dir or checkpoint dir to load model weights from")
     p.add_argument("--out", required=True, help="output dir for load.json, load.png, tensorboard/")
     p.add_argument("--batches", type=int, default=8, help="validation batches to run (default 8)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes the experts span (contiguous blocks): route as on that many nodes "
+                        "and report nodes per token (default 1)")
     p.add_argument("--trace", action="store_true",
                    help="also time one training step with torch.profiler: OUT/trace.json + a printed breakdown")
     p.add_argument("overrides", nargs="*", help="section.field=value, as for train.py")
@@ -75,11 +98,15 @@ def main(argv=None) -> int:
     try:
         if args.batches < 1:
             raise ValueError(f"--batches={args.batches} must be >= 1")
+        if args.nodes < 1:
+            raise ValueError(f"--nodes={args.nodes} must be >= 1")
         cfg = load_run_config(args.config, args.overrides)
         device = choose_device(cfg.run.device, 0)
         par, arch = build_initialised(cfg, device)
         if args.checkpoint:
             print(f"weights: {load_model_weights(args.checkpoint, par)}")
+        if args.nodes > 1:
+            declare_expert_nodes(par.model, args.nodes)
         batches, tokenizer = validation_batches(cfg, arch, args.batches, device)
         with torch.no_grad():  # scoped: the CLI is also called in-process by tests
             report = profile_model(par.model, batches, args.out, tokenizer=tokenizer,

@@ -14,6 +14,7 @@ from moe.config import BALANCE_LOSSES
 from moe.grouped_mm import EXPERT_IMPLS
 from moe.config import ROUTER_KINDS as ROUTERS
 from moe.scoring import SCORE_FUNCS
+from moe.layer import DISPATCH_MODES
 from moe.wire import DISPATCH_DTYPES
 
 ARCHS = ("gpt", "switch")
@@ -210,6 +211,8 @@ class MoEConfig:
     a2a_overlap_degree: int = _help(1, "under expert parallelism: cut each MoE layer's all-to-all into this many chunks, chunk c+1's exchange flying while the experts compute chunk c (same function); 1 = off, needs parallel.ep > 1")
     router_replay: str = _help("", "router replay (train.py): a routing record written by `python -m trainer.generate --record-routing FILE`; training runs on its sequences and every MoE layer sends each token to the recorded experts (gates from the current router); '' = off")
     dispatch_dtype: str = _help("auto", "the rows of the expert all-to-all: 'auto' (the compute dtype: bf16 under parallel.precision=bf16, fp32 under fp32; every direction), 'fp32', 'bf16', or 'fp8' (forward dispatch as float8 e4m3 with one fp32 scale per 128 channels of a row, dequantized on arrival; combine and both backwards bf16). Part of the layer's function: one process rounds the same way")
+    dispatch: str = _help("flat", "the expert all-to-all over nodes: 'flat' (one row per assignment to its expert's rank) or 'hierarchical' (a token crosses to a node once, to the rank with the same local index there, which forwards it to its node's experts; the combine sums a token's rows inside the node before they cross back: DeepSeek-V3/DeepEP); nodes from parallel.gpus_per_node; needs parallel.ep > 1")
+    max_nodes: int = _help(0, "node-limited routing (DeepSeek-V3: 4): each token's experts lie on at most this many of the nodes the experts live on (parallel.ep over parallel.gpus_per_node), the nodes ranked by the sum of their top max(1, top_k // max_nodes) scores; 0 = no limit; needs parallel.ep > 1, no replicas")
     replica_slots: int = _help(0, "hot-expert replication under expert parallelism: extra expert slots per ep rank for replicas of the step's hottest experts (same function, rows per rank nearer the mean); 0 = off, needs parallel.ep > 1")
 
     def __post_init__(self):
@@ -246,6 +249,13 @@ class MoEConfig:
         _choice(self, s, "balance_loss", BALANCE_LOSSES)
         _choice(self, s, "experts_impl", EXPERT_IMPLS)
         _choice(self, s, "dispatch_dtype", DISPATCH_DTYPES)
+        _choice(self, s, "dispatch", DISPATCH_MODES)
+        m = self.max_nodes
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"moe.max_nodes={m!r} must be an integer >= 0 (0 = no limit)")
+        if m and self.router != "token_choice":
+            raise ValueError(f"moe.max_nodes={m} limits the nodes a token's experts lie on, which "
+                             f"needs moe.router='token_choice'; set moe.max_nodes=0")
         if self.force_balance not in (True, False):
             raise ValueError(f"moe.force_balance={self.force_balance!r} must be true or false")
         if self.force_balance and self.router != "token_choice":
@@ -297,7 +307,8 @@ class MoEConfig:
                     swiglu_limit=self.swiglu_limit, balance_loss=self.balance_loss,
                     experts_impl=self.experts_impl, force_balance=self.force_balance,
                     replica_slots=self.replica_slots, a2a_overlap_degree=self.a2a_overlap_degree,
-                    dispatch_dtype=self.dispatch_dtype)
+                    dispatch_dtype=self.dispatch_dtype, dispatch=self.dispatch,
+                    max_nodes=self.max_nodes or None)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

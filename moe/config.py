@@ -52,6 +52,8 @@ class RoutingConfig:
     score_dtype: object = None             # pin the scores' dtype
     force_balance: bool = False            # BENCHMARKING ONLY: assignments dealt round-robin
     balance_loss: str = "sequence"         # sequence | micro_batch | global_batch
+    max_nodes: Optional[int] = None        # a token's top-k experts lie on <= this many nodes
+    expert_nodes: int = 1                  # nodes the experts span (set by the layout, not users)
 
     def __post_init__(self):
         self._check_basic()
@@ -62,8 +64,11 @@ class RoutingConfig:
         set_("topk_group", check_group_args(self.num_experts, self.top_k, self.n_group,
                                             self.topk_group))
         self._check_options()
-        set_("norm_topk_prob", self.top_k > 1 if self.norm_topk_prob is None
-             else bool(self.norm_topk_prob))
+        self._check_nodes()
+        # expert choice has no per-token gates to renormalise (resolving to True there would
+        # make the resolved config fail its own check on dataclasses.replace)
+        set_("norm_topk_prob", (self.top_k > 1 and self.kind == "token_choice")
+             if self.norm_topk_prob is None else bool(self.norm_topk_prob))
         set_("routed_scaling_factor", float(self.routed_scaling_factor))
         set_("logits_dtype", as_dtype(self.logits_dtype, "logits_dtype"))
         set_("score_dtype", as_dtype(self.score_dtype, "score_dtype"))
@@ -107,6 +112,32 @@ class RoutingConfig:
             raise ValueError(f"force_balance=True spreads token-choice assignments; router="
                              f"{self.kind!r} is balanced by construction: use "
                              f"router='token_choice'")
+
+    def _check_nodes(self) -> None:
+        """Node limit (moe/scoring.py node_keep_mask). expert_nodes comes from the layout
+        (dataclasses.replace), so max_nodes > expert_nodes is fine: the limit does not bind."""
+        M, n, E = self.max_nodes, self.expert_nodes, self.num_experts
+        if not _is_int(n) or n < 1 or E % n:
+            raise ValueError(f"expert_nodes={n!r} must be an integer >= 1 dividing num_experts="
+                             f"{E} (the layout sets it: nodes of the expert-parallel group)")
+        if M is None:
+            return
+        if not _is_int(M) or M < 1:
+            raise ValueError(f"max_nodes={M!r} must be None (no node limit) or an integer >= 1")
+        if self.kind == "expert_choice":
+            raise ValueError(f"max_nodes={M} limits each token's experts to some nodes, but "
+                             f"router='expert_choice' lets experts pick tokens; use "
+                             f"max_nodes=None or router='token_choice'")
+        if n == 1 or M >= n:
+            return
+        if self.top_k > M * (E // n):
+            raise ValueError(f"max_nodes={M}: top_k={self.top_k} is more than the {M * (E // n)} "
+                             f"experts on {M} of the {n} expert nodes; raise max_nodes")
+        if self.n_group > 1 and self.n_group % n:
+            raise ValueError(f"max_nodes={M} with n_group={self.n_group} groups that do not lie "
+                             f"inside the {n} expert nodes: the two limits together can leave "
+                             f"fewer than top_k experts; use n_group a multiple of {n} (one "
+                             f"group per node: n_group={n}) or max_nodes=None")
 
     def _check_expert_choice(self) -> None:
         if self.n_group > 1:

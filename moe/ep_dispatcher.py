@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .all_to_all import all_to_all, exchange_counts
 from .dispatcher import DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, weighted_combine
+from .nodes import one_node
 from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
 
@@ -60,6 +61,7 @@ class EPDispatchMeta:
                                # when the exchange ran in chunks: moe/overlap.py)
     counts_L: tuple            # rows per local slot after the exchange (owned, then replicas)
     placement: Placement       # the same on every rank of the group
+    hops: object = None        # moe/hierarchical.Hops under node-aware dispatch, else None
 
     @property
     def rank_rows(self) -> torch.Tensor:
@@ -207,6 +209,14 @@ def check_shardable(layer, ep_group) -> tuple:
         raise ValueError(f"a2a_overlap_degree={layer.a2a_overlap_degree} (moe.a2a_overlap_degree) "
                          f"overlaps the expert-parallel all-to-all, but the ep group has one rank; "
                          f"set it to 1 or use parallel.ep > 1")
+    if layer.dispatch == "hierarchical" and P == 1:
+        raise ValueError("dispatch='hierarchical' (moe.dispatch) sends tokens between nodes of the "
+                         "expert-parallel group, but it has one rank; use dispatch='flat' or "
+                         "parallel.ep > 1")
+    if layer.dispatch == "hierarchical" and layer.a2a_overlap_degree > 1:
+        raise ValueError(f"dispatch='hierarchical' with a2a_overlap_degree="
+                         f"{layer.a2a_overlap_degree}: the chunked overlap runs the flat exchange; "
+                         f"set moe.a2a_overlap_degree=1 or moe.dispatch=flat")
     if R > E - L:
         raise ValueError(f"replica_slots={R} (moe.replica_slots) exceeds the {E - L} experts a rank "
                          f"does not own at ep={P}; use at most {E - L}")
@@ -238,3 +248,5 @@ def shard_layer_experts(layer, ep_group) -> None:
     else:
         layer.dispatcher = ExpertParallelDispatcher(layer.num_experts, ep_group,
                                                     layer.replica_slots)
+        if layer.dispatch == "hierarchical":  # one node until set_expert_nodes says otherwise
+            layer.set_expert_nodes(one_node(P))

@@ -19,6 +19,7 @@ from .stats import RoutingStats
 from .wire import check_dispatch_dtype, wire_formats
 
 
+DISPATCH_MODES = ("flat", "hierarchical")
 FORCE_BALANCE_WARNING = ("MoELayer(force_balance=True): expert assignments are forced to an "
                          "even spread, the router's choice is ignored -- benchmarking only, "
                          "not for training a real model")
@@ -108,6 +109,17 @@ class MoELayer(nn.Module):
           (autocast's, else the input's); fp8 = e4m3 rows with one fp32 scale per 128
           channels for the forward dispatch, bf16 for the combine and both backwards. Part
           of the layer's function: one process applies the same rounding at the same points.
+      dispatch: "flat" (default) or "hierarchical": under expert parallelism over several
+          nodes, hierarchical sends each token across to a node once, to the rank with the
+          same local index there, which forwards it to its node's experts; the combine sums
+          each token's expert outputs inside the node before they cross back (moe/
+          hierarchical.py). Same function up to the combine's summation order. Nodes come
+          from `set_expert_nodes` (parallel.gpus_per_node); until then one node.
+      max_nodes: M >= 1 or None (default, no limit): node-limited routing (DeepSeek-V3):
+          each token first keeps the M nodes whose experts score highest (the sum of their
+          top max(1, k // M) scores + selection bias), then its top-k experts among those.
+          The nodes are the ones the experts live on (`set_expert_nodes`); on one node
+          every token reaches one node, so the limit holds with plain top-k.
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
@@ -125,7 +137,7 @@ class MoELayer(nn.Module):
                  expert_capacity=None, balance_loss: str = "sequence",
                  experts_impl: str = "auto", force_balance: bool = False,
                  replica_slots: int = 0, a2a_overlap_degree: int = 1,
-                 dispatch_dtype: str = "auto"):
+                 dispatch_dtype: str = "auto", dispatch: str = "flat", max_nodes=None):
         super().__init__()
         config = RoutingConfig(
             num_experts=num_experts, top_k=top_k, kind=router, capacity_factor=capacity_factor,
@@ -133,16 +145,20 @@ class MoELayer(nn.Module):
             jitter=jitter, score_func=score_func, norm_topk_prob=norm_topk_prob, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
             router_bias=router_bias, logits_dtype=logits_dtype, score_dtype=score_dtype,
-            force_balance=force_balance, balance_loss=balance_loss)
+            force_balance=force_balance, balance_loss=balance_loss, max_nodes=max_nodes)
         _check_layer_args(d_model, d_ff, num_shared_experts, shared_expert_gate, replica_slots)
         _check_overlap_degree(a2a_overlap_degree)
         check_dispatch_dtype(dispatch_dtype)
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch={dispatch!r} (moe.dispatch) is not supported; use one of "
+                             f"{DISPATCH_MODES}")
         check_activation(activation)
         if force_balance:
             warnings.warn(FORCE_BALANCE_WARNING, stacklevel=2)
         self.replica_slots = replica_slots
         self.a2a_overlap_degree = a2a_overlap_degree
         self.dispatch_dtype = dispatch_dtype
+        self.dispatch = dispatch
         self.timeline = None  # set_timeline: a moe/profiling/timeline.py Timeline, or None
         self.d_model, self.d_ff = d_model, d_ff
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -177,6 +193,18 @@ class MoELayer(nn.Module):
         """Keep only this rank's experts [r*E/P, (r+1)*E/P) and exchange tokens over ep_group."""
         from .ep_dispatcher import shard_layer_experts  # moe/ep_dispatcher.py
         shard_layer_experts(self, ep_group)
+
+    def set_expert_nodes(self, nodes) -> None:
+        """Tell the sharded layer which of its ep ranks share a node (a moe/nodes.py
+        ExpertNodes): the hierarchical dispatch crosses nodes once per token and node, and
+        max_nodes counts these nodes. Handed in by the parallel setup (parallel/expert.py)."""
+        if self.ep_group is None:
+            raise ValueError("set_expert_nodes: shard the layer first (set_ep_group)")
+        if self.dispatch == "hierarchical":
+            from .hierarchical import HierarchicalDispatcher
+            self.dispatcher = HierarchicalDispatcher(self.num_experts, self.ep_group,
+                                                     self.replica_slots, nodes)
+        self.router.config = dataclasses.replace(self.router.config, expert_nodes=nodes.num_nodes)
 
     def set_etp_group(self, etp_group) -> None:
         """Keep this rank's block of every expert's d_ff and run the experts over etp_group
@@ -260,7 +288,7 @@ class MoELayer(nn.Module):
         """The chunked, overlapped exchange (moe/overlap.py): d > 1, or d = 1 with a timeline
         attached (one chunk: the same exchanges as dispatch/combine, recorded)."""
         return self.ep_group is not None and not isinstance(self.dispatcher, LocalDispatcher) \
-            and (self.a2a_overlap_degree > 1 or self.timeline is not None)
+            and self.dispatch == "flat" and (self.a2a_overlap_degree > 1 or self.timeline is not None)
 
     def _overlapped_forward(self, x_TD, routing, out_dtype, wires):
         from .overlap import overlapped_experts
@@ -284,6 +312,9 @@ class MoELayer(nn.Module):
 
     def set_timeline(self, timeline) -> None:
         """Record this layer's exchanges and expert chunks on `timeline` (None: stop)."""
+        if timeline is not None and self.dispatch != "flat":
+            raise ValueError("the all-to-all timeline records the flat dispatch's exchanges; "
+                             "profile with moe.dispatch=flat (the hierarchical hops are not drawn)")
         self.timeline = timeline
 
     def _record(self, routing, meta, losses: dict) -> None:
@@ -306,6 +337,10 @@ class MoELayer(nn.Module):
             s += f", a2a_overlap_degree={self.a2a_overlap_degree}"
         if self.dispatch_dtype != "auto":
             s += f", dispatch_dtype={self.dispatch_dtype}"
+        if self.dispatch != "flat":
+            s += f", dispatch={self.dispatch}"
+        if self.router.config.max_nodes is not None:
+            s += f", max_nodes={self.router.config.max_nodes}"
         return s + (", force_balance=True (BENCHMARK ONLY: routing ignored)"
                     if self.force_balance else "")
 
@@ -333,6 +368,10 @@ class MoELayer(nn.Module):
             parts.append(f"a2a_overlap_degree={self.a2a_overlap_degree}")
         if self.dispatch_dtype != "auto":
             parts.append(f"dispatch_dtype={self.dispatch_dtype}")
+        if self.dispatch != "flat":
+            parts.append(f"dispatch={self.dispatch}")
+        if r.max_nodes is not None:
+            parts.append(f"max_nodes={r.max_nodes} of {r.expert_nodes} nodes")
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

@@ -25,7 +25,7 @@ class Router(nn.Module):
     added to the scores only when choosing experts (DeepSeek-V3 aux-loss-free balancing), for
     softmax and sigmoid scores alike; gate values always come from the unbiased scores. The
     bias is moved by an explicit `update_selection_bias` call, never inside forward. See
-    moe/scoring.py for score_func, norm_topk_prob, n_group, topk_group and
+    moe/scoring.py for score_func, norm_topk_prob, n_group, topk_group, max_nodes and
     routed_scaling_factor. The load-balance loss is not computed here: the Routing carries
     the probabilities and choices it needs (moe/losses.py owns it).
     """
@@ -106,7 +106,8 @@ class Router(nn.Module):
         K, T = c.top_k, G * S
         scores_TE = scores_GSE.reshape(T, E)
         if replay_ids is None:
-            ids_TK = select_experts(scores_TE, self.selection_bias, K, c.n_group, c.topk_group)
+            ids_TK = select_experts(scores_TE, self.selection_bias, K, c.n_group, c.topk_group,
+                                    expert_nodes=c.expert_nodes, max_nodes=c.max_nodes)
         else:
             ids_TK = replayed_ids(replay_ids, T, K, E, scores_GSE.device)
         gates_TK = gates_for(scores_TE, ids_TK, c.norm_topk_prob, c.routed_scaling_factor)

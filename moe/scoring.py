@@ -1,10 +1,13 @@
 """Router scoring, expert selection and gate values, as pure functions of router logits.
 
-Shapes: T tokens, E experts, K top-k, N expert groups (n_group), M experts per group (E/N).
+Shapes: T tokens, E experts, K top-k, N blocks of contiguous experts (the n_group groups, or
+the expert_nodes nodes), M experts per block (E/N).
 
 The pieces a token-choice router is made of, each a named option of MoELayer:
   scores = softmax(logits) or sigmoid(logits)                 (score_func)
   choice = scores + selection_bias   (selection only, no gradient; aux-loss-free balancing)
+  keep only the max_nodes nodes with the largest sum of their top max(1, K // max_nodes)
+  choice scores                                 (max_nodes / expert_nodes, DeepSeek-V3 node limit)
   keep only the topk_group groups with the largest sum of their top-2 choice scores
                                                               (n_group / topk_group, DeepSeek-V3)
   ids    = top-k of choice over the kept experts
@@ -36,26 +39,48 @@ def balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
 
+def block_keep_mask(choice_TE: torch.Tensor, n_blocks: int, keep_blocks: int,
+                    per_block: int) -> torch.Tensor:
+    """Bool [T, E]: experts in the keep_blocks of n_blocks contiguous blocks whose per_block
+    best choice scores sum highest (all experts when keep_blocks >= n_blocks)."""
+    T, E = choice_TE.shape
+    M = E // n_blocks
+    block_score_TN = choice_TE.reshape(T, n_blocks, M).topk(per_block, dim=-1).values.sum(dim=-1)
+    kept_TK = block_score_TN.topk(min(keep_blocks, n_blocks), dim=-1).indices
+    keep_TN = torch.zeros(T, n_blocks, dtype=torch.bool, device=choice_TE.device)
+    keep_TN.scatter_(1, kept_TK, True)
+    return keep_TN.repeat_interleave(M, dim=1)
+
+
 def group_keep_mask(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
     """Bool [T, E]: experts in the topk_group groups whose two best choice scores sum highest.
 
     Experts are split into n_group contiguous groups of M = E / n_group (DeepSeek-V3 puts a
     group on one node, so a token talks to at most topk_group nodes).
     """
-    T, E = choice_TE.shape
-    M = E // n_group
-    group_score_TN = choice_TE.reshape(T, n_group, M).topk(2, dim=-1).values.sum(dim=-1)
-    kept_TK = group_score_TN.topk(topk_group, dim=-1).indices
-    keep_TN = torch.zeros(T, n_group, dtype=torch.bool, device=choice_TE.device)
-    keep_TN.scatter_(1, kept_TK, True)
-    return keep_TN.repeat_interleave(M, dim=1)
+    return block_keep_mask(choice_TE, n_group, topk_group, 2)
+
+
+def node_keep_mask(choice_TE: torch.Tensor, num_nodes: int, max_nodes: int,
+                   top_k: int) -> torch.Tensor:
+    """Bool [T, E]: experts on the max_nodes nodes (contiguous blocks of E / num_nodes, as
+    moe/nodes.py lays them out) whose best max(1, top_k // max_nodes) choice scores sum
+    highest. With top_k=8, max_nodes=4 that is the sum of the top 2 (DeepSeek-V3), the same
+    ranking as group_keep_mask with one group per node."""
+    per_node = min(max(1, top_k // max_nodes), choice_TE.shape[-1] // num_nodes)
+    return block_keep_mask(choice_TE, num_nodes, max_nodes, per_node)
 
 
 @torch.no_grad()
 def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
-                   n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
-    """ids_TK: the top-k experts by scores + bias (inside the kept groups when n_group > 1)."""
+                   n_group: int = 1, topk_group: int = 1, expert_nodes: int = 1,
+                   max_nodes=None) -> torch.Tensor:
+    """ids_TK: the top-k experts by choice = scores + bias, inside the kept nodes (when
+    max_nodes < expert_nodes) and then inside the kept groups of what is left (n_group > 1)."""
     choice_TE = scores_TE + bias_E.to(scores_TE.dtype)
+    if max_nodes is not None and max_nodes < expert_nodes:
+        keep_TE = node_keep_mask(choice_TE, expert_nodes, max_nodes, top_k)
+        choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
     if n_group > 1:
         keep_TE = group_keep_mask(choice_TE, n_group, topk_group)
         choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))

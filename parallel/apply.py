@@ -57,7 +57,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         apply_grid_tensor_parallel(model, meshes)
     if plan.ep > 1:
         from .expert import apply_expert_parallel
-        apply_expert_parallel(model, meshes.group("ep"), stage_only=plan.pp > 1)
+        apply_expert_parallel(model, meshes.group("ep"), stage_only=plan.pp > 1,
+                              ranks_per_node=ranks_per_node(plan))
     if plan.etp > 1:
         from .expert import apply_expert_tensor_parallel
         apply_expert_tensor_parallel(model, meshes.group("etp"), stage_only=plan.pp > 1)
@@ -103,8 +104,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
 
 
 def ranks_per_node(plan: ParallelPlan) -> int | None:
-    """Global ranks per node: zeropp_hpz data-parallel ranks times the tp ranks beside each
-    (rank order pp x dp x tp), else torchrun's LOCAL_WORLD_SIZE, else None (one node)."""
+    """Global ranks per node: parallel.gpus_per_node, else zeropp_hpz data-parallel ranks
+    times the tp ranks beside each (rank order pp x dp x tp), else torchrun's
+    LOCAL_WORLD_SIZE, else None (one node)."""
+    if plan.gpus_per_node:
+        return plan.gpus_per_node
     if plan.zeropp_hpz:
         return plan.zeropp_hpz * plan.tp
     local = os.environ.get("LOCAL_WORLD_SIZE")

@@ -11,7 +11,10 @@ gradients summed into the owners in backward, so nothing here (checkpoints, grad
 sees them.
 """
 
+import torch.distributed as dist
+
 from moe.aux import moe_layers
+from moe.nodes import expert_nodes, one_node
 from moe.ep_dispatcher import check_shardable, shard_layer_experts
 from moe.expert_tp import check_ffn_shardable, split_layer_ffn
 
@@ -21,7 +24,7 @@ from .kinds import is_expert_param  # noqa: F401  (its home is kinds.py; this na
 __all__ = ["apply_expert_parallel", "apply_expert_tensor_parallel", "is_expert_param"]
 
 
-def apply_expert_parallel(model, ep_group, stage_only: bool = False) -> list:
+def apply_expert_parallel(model, ep_group, stage_only: bool = False, ranks_per_node=None) -> list:
     """Shard the experts of every MoELayer in `model` over `ep_group` (in place).
 
     The model must hold full, identical weights on all ranks (or still be on the meta
@@ -30,9 +33,27 @@ def apply_expert_parallel(model, ep_group, stage_only: bool = False) -> list:
     stage_only: `model` is one pipeline rank's part of a model (its ep group lies inside
     the stage, so all of its ranks hold the same blocks); a part without MoE layers (the
     dense first layers of DeepSeek-V3) has nothing to shard and returns [].
+    ranks_per_node: global ranks per node (parallel.gpus_per_node; None: one node): layers
+    with moe.dispatch=hierarchical or moe.max_nodes learn which ep ranks share a node
+    (moe/nodes.py; an uneven layout is refused before any layer changes).
     """
-    return _every_layer(model, ep_group, check_shardable, shard_layer_experts,
-                        "expert parallelism", "ep", stage_only)
+    nodes = _nodes_of(model, ep_group, ranks_per_node)
+    layers = _every_layer(model, ep_group, check_shardable, shard_layer_experts,
+                          "expert parallelism", "ep", stage_only)
+    if nodes is not None:
+        for _, layer in layers:
+            layer.set_expert_nodes(nodes)
+    return layers
+
+
+def _nodes_of(model, ep_group, ranks_per_node):
+    """The ExpertNodes of ep_group when a layer needs them, else None."""
+    needs = any(layer.dispatch != "flat" or layer.router.config.max_nodes is not None
+                for _, layer in moe_layers(model))
+    if not needs or ep_group is None:
+        return None
+    ranks = dist.get_process_group_ranks(ep_group)
+    return expert_nodes(ranks, ranks_per_node) if ranks_per_node else one_node(len(ranks))
 
 
 def apply_expert_tensor_parallel(model, etp_group, stage_only: bool = False) -> list:

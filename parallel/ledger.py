@@ -111,23 +111,27 @@ class CommLedger:
     listed that lies inside a data group (FSDP2's hpZ post-forward shard groups) counts as a
     data group. `ranks_per_node`: global ranks [k*n, (k+1)*n) form node k; the bytes of
     collectives whose group spans several nodes are also counted by kind in `take_inter_node()`
-    (None: one node, nothing is inter-node).
+    (None: one node, nothing is inter-node). The all-to-alls are also split by peer:
+    `take_a2a_nodes()` gives, per kind, the bytes sent to ranks of this rank's node and to
+    other nodes, by dtype (a row's split goes where its peer is; rows kept count as inside).
     """
 
     def __init__(self, groups: dict, ranks_per_node: int | None = None):
-        self.dims_of, self.ranks_of = {}, {}
+        self.dims_of, self.ranks_of, self.order_of = {}, {}, {}
         for dim, group in groups.items():
             if group is not None:
                 self.dims_of.setdefault(group.group_name, set()).add(dim)
                 self.ranks_of[group.group_name] = frozenset(dist.get_process_group_ranks(group))
+                self.order_of[group.group_name] = list(dist.get_process_group_ranks(group))
         self.ranks_per_node = ranks_per_node
-        self.bytes, self.inter, self.calls = Counter(), Counter(), Counter()
+        self.bytes, self.inter, self.calls, self.a2a_nodes = Counter(), Counter(), Counter(), Counter()
         self.label = None
 
     def _dims(self, name, pg) -> set:
         if name not in self.dims_of and pg is not None:  # a subgroup made outside the meshes
             ranks = frozenset(dist.get_process_group_ranks(pg))
             self.ranks_of[name] = ranks
+            self.order_of[name] = list(dist.get_process_group_ranks(pg))
             self.dims_of[name] = {d for n, r in self.ranks_of.items() if ranks <= r
                                   for d in self.dims_of.get(n, ()) if d in DATA_DIMS}
         return self.dims_of.get(name, set())
@@ -152,7 +156,24 @@ class CommLedger:
         self.calls[kind, collective, len(self.ranks_of.get(name, ()))] += size
         if self._spans_nodes(name):
             self.inter[kind] += size
+        if collective == "a2a":
+            self._split_a2a(kind, name, args, functional)
 
+    def _split_a2a(self, kind, name, args, functional) -> None:
+        """Book an all_to_all_single's send buffer by where each peer's rows go."""
+        x = args[0] if functional else args[1]
+        splits = list(args[2] if functional else args[4])
+        peers = self.order_of.get(name)
+        if peers is None or not isinstance(x, torch.Tensor):
+            return
+        if not splits:
+            splits = [x.shape[0] // len(peers)] * len(peers) if x.dim() else [0] * len(peers)
+        row = x[0].numel() * x.element_size() if x.dim() and x.shape[0] else 0
+        me, n = dist.get_rank(), self.ranks_per_node
+        dtype = str(x.dtype).removeprefix("torch.")
+        for peer, rows in zip(peers, splits):
+            where = "inter_node" if n and peer // n != me // n else "intra_node"
+            self.a2a_nodes[kind, where, dtype] += int(rows) * row
     @contextlib.contextmanager
     def labelled(self, kind: str):
         """Book the collectives inside under `kind` (e.g. "other" for a scalar norm reduction
@@ -184,6 +205,15 @@ class CommLedger:
     @property
     def multi_node(self) -> bool:
         return self.ranks_per_node is not None and self.ranks_per_node < dist.get_world_size()
+
+    def take_a2a_nodes(self) -> dict:
+        """{kind: {"intra_node" | "inter_node": {dtype: bytes}}} of the all-to-alls since the
+        last call (e.g. expert_all_to_all's rows inside and across nodes, by wire dtype)."""
+        out = {}
+        for (kind, where, dtype), n in sorted(self.a2a_nodes.items()):
+            out.setdefault(kind, {}).setdefault(where, {})[dtype] = int(n)
+        self.a2a_nodes.clear()
+        return out
 
     def take_inter_node(self) -> dict:
         """{kind: bytes} of the collectives since the last call whose group spans nodes."""

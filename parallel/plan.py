@@ -32,7 +32,7 @@ def _toml(v) -> str:
 
 
 # settings the start-up layout line shows when they differ from the default
-_SHOWN_IF_SET = ("recompute", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
+_SHOWN_IF_SET = ("gpus_per_node", "recompute", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
                  "zeropp_quantize_grads")
 
 
@@ -62,6 +62,7 @@ class ParallelPlan:
     ps_staleness: int = field(default=0, metadata={"help": "parameter server: 0 = bulk-synchronous (= one process); s > 0 = bounded delay, a worker may run at most s steps ahead of the slowest"})
     zeropp_quantize_weights: bool = field(default=False, metadata={"help": "ZeRO++ qwZ: zero-3 parameter all-gathers in block-quantized int8 (zero 3)"})
     zeropp_hpz: int = field(default=0, metadata={"help": "ZeRO++ hpZ: ranks per node; after forward keep a secondary parameter shard over that many consecutive dp ranks so backward gathers stay in the node (zero 3; 0 = off)"})
+    gpus_per_node: int = field(default=0, metadata={"help": "ranks per node (consecutive global ranks): what the communication ledger counts as across nodes, what moe.dispatch=hierarchical crosses once and moe.max_nodes counts; 0 = the launcher's LOCAL_WORLD_SIZE (torchrun), else one node. Declare nodes on one machine to test a multi-node layout"})
     zeropp_quantize_grads: bool = field(default=False, metadata={"help": "ZeRO++ qgZ: gradient reduce-scatter as an all-to-all of block-quantized int8 (zero 2, 3)"})
 
     def summary(self) -> str:
@@ -152,6 +153,7 @@ class ParallelPlan:
             _check_replicas(plan, moe_cfg)
             _check_overlap(plan, moe_cfg)
             _check_dispatch_dtype(plan, moe_cfg)
+            _check_nodes(plan, moe_cfg)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
             if plan.pp > 1 and getattr(model_cfg, "n_layers", None) is not None:
@@ -465,6 +467,48 @@ def _check_dispatch_dtype(p: ParallelPlan, moe_cfg) -> None:
         raise _err("moe.dispatch_dtype=fp8 sends the gradients and the combine in bf16, which "
                    "parallel.precision=fp16's loss scaling does not expect; use precision=bf16 "
                    "(or fp32), or moe.dispatch_dtype=auto")
+
+
+def ep_group_of(p: ParallelPlan, rank: int) -> list:
+    """The global ranks of `rank`'s expert-parallel group (mesh.py's rank order: pp
+    outermost, a stage's pool as (edp, ep, etp), etp innermost; tests/unit check it against
+    mesh.rank_groups)."""
+    stage, pos = divmod(rank, p.pool)
+    e, t = pos // (p.ep * p.etp), pos % p.etp
+    return [stage * p.pool + (e * p.ep + i) * p.etp + t for i in range(p.ep)]
+
+
+def ep_group_ranks(p: ParallelPlan) -> list:
+    """Every expert-parallel group's global ranks."""
+    return [ep_group_of(p, stage * p.pool + e * p.ep * p.etp + t)
+            for stage in range(p.pp) for e in range(p.edp) for t in range(p.etp)]
+
+
+def _check_nodes(p: ParallelPlan, moe_cfg) -> None:
+    g, mode, M = p.gpus_per_node, getattr(moe_cfg, "dispatch", "flat"), getattr(moe_cfg, "max_nodes", 0)
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise _err(f"parallel.gpus_per_node={g!r} must be an integer >= 0 (0 = the launcher's "
+                   f"local world size)")
+    if g and p.world % g:
+        raise _err(f"parallel.gpus_per_node={g} does not divide the {p.world} ranks into whole "
+                   f"nodes; use a divisor of the world size")
+    for field_, on in (("dispatch=hierarchical", mode == "hierarchical"), (f"max_nodes={M}", M)):
+        if on and p.ep == 1:
+            raise _err(f"moe.{field_} works on the nodes of the expert-parallel group, but "
+                       f"parallel.ep=1; set parallel.ep > 1 or leave moe.{field_.split('=')[0]} "
+                       f"at its default")
+    if mode == "hierarchical" and getattr(moe_cfg, "a2a_overlap_degree", 1) > 1:
+        raise _err(f"moe.dispatch=hierarchical with moe.a2a_overlap_degree="
+                   f"{moe_cfg.a2a_overlap_degree}: the chunked overlap runs the flat exchange; "
+                   f"set moe.a2a_overlap_degree=1 or moe.dispatch=flat")
+    if M and getattr(moe_cfg, "replica_slots", 0):
+        raise _err(f"moe.max_nodes={M} with moe.replica_slots={moe_cfg.replica_slots}: a replica "
+                   f"may sit on another node than its expert, so the nodes a token reaches are "
+                   f"not its experts' nodes; set one of them to 0")
+    if g and p.ep > 1 and (mode == "hierarchical" or M):
+        from moe.nodes import expert_nodes
+        for ranks in ep_group_ranks(p):
+            expert_nodes(ranks, g)  # the same number of ep ranks on every node
 
 
 def _check_overlap(p: ParallelPlan, moe_cfg) -> None:

@@ -53,7 +53,7 @@ NON_STRUCTURAL = {"model": {"dropout"},
                           "z_loss_coef", "jitter", "bias_update_rate",
                           # how the layer runs, not what it holds: same weights and state
                           "experts_impl", "replica_slots", "a2a_overlap_degree", "router_replay",
-                          "dispatch_dtype"}}
+                          "dispatch_dtype", "dispatch", "max_nodes"}}
 
 
 def checkpoint_root(run_dir) -> Path:

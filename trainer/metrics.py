@@ -68,7 +68,8 @@ class MetricsLogger:
         """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s,
         tflops (model TFLOP/s per rank; + mfu where a peak is known, trainer/telemetry.py),
         comm_bytes {kind: bytes} (+ val_loss; comm_bytes_inter_node when the ledger knows of
-        several nodes; model_state_bytes on the first step; peak_mem_bytes on the measured
+        several nodes; comm_bytes_a2a_nodes {kind: {intra_node|inter_node: {dtype: bytes}}}
+        of the all-to-alls, by where each peer sits; model_state_bytes on the first step; peak_mem_bytes on the measured
         steps, log.peak_mem_every, with peak_mem_reserved_bytes on CUDA; under fp16
         loss_scale and skipped)."""
         if not self.enabled:
@@ -85,6 +86,10 @@ class MetricsLogger:
                 self.tb.add_scalar(f"comm_bytes/{kind}", n, step)
             for kind, n in record.get("comm_bytes_inter_node", {}).items():
                 self.tb.add_scalar(f"comm_bytes_inter_node/{kind}", n, step)
+            for kind, where in record.get("comm_bytes_a2a_nodes", {}).items():
+                for side, by_dtype in where.items():
+                    for dtype, n in by_dtype.items():
+                        self.tb.add_scalar(f"comm_bytes_a2a_nodes/{kind}/{side}/{dtype}", n, step)
             for category, by_device in record.get("model_state_bytes", {}).items():
                 for device, n in by_device.items():
                     self.tb.add_scalar(f"model_state_bytes/{category}/{device}", n, step)

@@ -24,7 +24,7 @@ def stream_tokens(cfg) -> dict:
     return {"encoder": enc, "decoder": dec}
 
 
-def workload_from_config(cfg, imbalance: float = 1.0) -> Workload:
+def workload_from_config(cfg, imbalance: float = 1.0, nodes_per_token: float = 0.0) -> Workload:
     template = build_model(cfg, torch.device("meta"))  # hf families: tiny configs, on CPU
 
     def build():  # a fresh copy per layout: parallelize changes the model in place
@@ -40,4 +40,5 @@ def workload_from_config(cfg, imbalance: float = 1.0) -> Workload:
 
     return Workload(build, cfg.model, cfg.moe, cfg.train.batch_size, stream_tokens(cfg),
                     cfg.train.micro_batch_size, cfg.train.optimizer, imbalance, check,
-                    build_stage if task_arch(cfg) == "gpt" and not cfg.hf.family else None)
+                    build_stage if task_arch(cfg) == "gpt" and not cfg.hf.family else None,
+                    nodes_per_token)

@@ -131,6 +131,9 @@ class Trainer:
         rec["comm_bytes"] = ledger.take() if ledger is not None else {}
         if ledger is not None and ledger.multi_node:
             rec["comm_bytes_inter_node"] = ledger.take_inter_node()
+        split = ledger.take_a2a_nodes() if ledger is not None else {}
+        if split:
+            rec["comm_bytes_a2a_nodes"] = split
 
     def _update_loss_scale(self, n: int, scale: float, overflow: bool, rec: dict) -> None:
         self.scaler.update(overflow)

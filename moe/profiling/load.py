@@ -1,6 +1,7 @@
 """Expert-load profile: run a model over held-out batches and report how its routers behave.
 
-Shapes: T tokens, E experts, A assignments (kept token copies), P expert-parallel ranks.
+Shapes: T tokens, E experts, K top-k, A assignments (kept token copies), P expert-parallel
+ranks, n nodes the experts span (router config's expert_nodes).
 `profile_model` works on any model holding MoELayers (ours or a moefied Hugging Face one). It
 watches each layer's router through a forward hook that reads the Routing it returns, so the
 layer's contract is untouched. Writes out_dir/load.json, out_dir/load.png and TensorBoard
@@ -10,6 +11,11 @@ Rows per expert-parallel rank, with and without hot-expert replication: measured
 layer's `last_stats.rank_rows`) when the model runs expert-parallel; for a one-process model
 given `ep=(P, R)`, planned per batch by moe.placement from that batch's expert counts (exactly
 what P ranks with R replica slots would receive for the same global batch).
+
+Nodes per token, when a layer's experts span n > 1 nodes (contiguous blocks of E/n, as
+moe/nodes.py lays them out): how many distinct nodes each token's chosen experts (before
+capacity) lie on; its mean, max and the tokens reaching each count 1..n (what moe.max_nodes
+bounds). A one-process model reports it after `python -m trainer.profile --nodes n`.
 
 CLI: python -m trainer.profile --config CONFIG.toml [--checkpoint DIR] --out DIR [--batches N]
 """
@@ -37,6 +43,11 @@ class _LayerTally:
         self.stream = "decoder" if "decoder" in name.split(".") else "encoder"
         self.rank_rows = self.rank_rows_unreplicated = None   # long [P], summed over batches
         self.rank_rows_source = None
+        config = layer.router.config
+        self.expert_nodes, self.max_nodes = config.expert_nodes, config.max_nodes
+        # tokens by the number of distinct nodes their experts lie on (index 0 unused)
+        self.tokens_by_nodes = (torch.zeros(self.expert_nodes + 1, dtype=torch.long)
+                                if self.expert_nodes > 1 else None)
 
     def add_rank_rows(self, stats, ep) -> None:
         """After a layer forward: its rows per ep rank (measured, or planned for ep=(P, R))."""
@@ -61,11 +72,33 @@ class _LayerTally:
         self.kept_E += torch.bincount(expert_A, minlength=self.num_experts)
         self.tokens += routing.num_tokens
         self.entropy_sum += float(routing.entropy) * routing.num_tokens
+        if self.tokens_by_nodes is not None and routing.ids_GSK is not None:
+            self.tokens_by_nodes += tokens_by_nodes(routing.ids_GSK.detach().cpu(),
+                                                    self.num_experts, self.expert_nodes)
         if ids_T is not None and ids_T.numel() == routing.num_tokens:
             token_ids_A = ids_T.reshape(-1).cpu()[routing.token_A.detach().cpu()]
             self.pairs.append(torch.stack([expert_A, token_ids_A], dim=1))
         else:
             self.pairs.append(None)   # e.g. a chunked FFN: token rows cannot be matched to ids
+
+
+def tokens_by_nodes(ids_GSK: torch.Tensor, num_experts: int, num_nodes: int) -> torch.Tensor:
+    """long [n + 1]: at index c, the tokens whose experts lie on exactly c distinct nodes."""
+    node_TK = ids_GSK.reshape(-1, ids_GSK.shape[-1]) // (num_experts // num_nodes)
+    on_node_Tn = torch.zeros(node_TK.shape[0], num_nodes, dtype=torch.bool)
+    on_node_Tn.scatter_(1, node_TK, True)
+    return torch.bincount(on_node_Tn.sum(dim=1), minlength=num_nodes + 1)
+
+
+def _nodes_report(tally: _LayerTally):
+    counts = tally.tokens_by_nodes
+    if counts is None or counts.sum() == 0:
+        return None
+    reached = torch.nonzero(counts).flatten()
+    return {"expert_nodes": tally.expert_nodes, "max_nodes": tally.max_nodes,
+            "mean": float((counts * torch.arange(counts.numel())).sum() / counts.sum()),
+            "max": int(reached.max()),
+            "tokens": counts[1:].tolist()}    # tokens whose experts span 1, 2, ..., n nodes
 
 
 def _streams(batch) -> dict:
@@ -143,6 +176,7 @@ def layer_report(tally: _LayerTally, tokenizer=None, top_n: int = 8) -> dict:
         "rank_imbalance": _max_over_mean(tally.rank_rows),
         "rank_imbalance_unreplicated": _max_over_mean(tally.rank_rows_unreplicated),
         "rank_rows_source": tally.rank_rows_source,
+        "nodes_per_token": _nodes_report(tally),   # None unless experts span > 1 node
     }
 
 
@@ -236,7 +270,8 @@ def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=N
     Per layer: counts (sum = tokens * top_k - dropped for token-choice routing), share,
     dropped fraction, imbalance (max/mean), coefficient of variation, router entropy, dead
     experts and the most frequent token ids per expert (decoded when a tokenizer is given),
-    rows per expert-parallel rank with and without replication (ep=(P, R): see collect_load).
+    rows per expert-parallel rank with and without replication (ep=(P, R): see collect_load),
+    nodes per token when the layer's experts span several nodes (see the module docstring).
     """
     tallies = collect_load(model, batches, max_batches, ep, on_output)
     layers = [layer_report(t, tokenizer, top_n) for t in tallies]

@@ -7,6 +7,7 @@ forward each module keeps a shard over `zeropp_hpz` consecutive ranks of its gro
 backward re-gather stays inside that node), qwZ/qgZ its custom all-gather / reduce-scatter
 (zeropp.py).
 """
+import torch
 from torch.distributed.tensor import DTensor
 
 from moe import MoELayer
@@ -48,12 +49,11 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=Non
     edp, pool, dp = meshes.expert["edp"], meshes.pool["pool"], meshes.dense["dp"]
     for mod in model.modules():
         if isinstance(mod, MoELayer):
-            fully_shard(mod.experts, mesh=edp, mp_policy=mp_policy)
-            _divide_by(mod.experts, edp, plan.replicas)
             rest = [m for m in (mod.router, mod.shared_experts) if m is not None]
-            for m in rest:
-                fully_shard(m, mesh=pool, mp_policy=mp_policy)
-                _divide_by(m, pool, plan.replicas)
+            for m, on in [(mod.experts, edp)] + [(m, pool) for m in rest]:
+                _check_one_rank_dtype(m, on, mp_policy, plan.replicas)
+                fully_shard(m, mesh=on, mp_policy=mp_policy)
+                _divide_by(m, on, plan.replicas)
     for block in blocks:
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
     for root in roots or [model]:
@@ -117,6 +117,20 @@ def _other_dim_owners(module, n: int) -> list:
 def _dim0(p, n: int) -> bool:
     shape = local(p).shape if isinstance(p, DTensor) else p.shape
     return len(shape) == 0 or shape[0] >= n
+
+
+def _check_one_rank_dtype(module, mesh, mp_policy, dp: int) -> None:
+    """FSDP2 (torch 2.13) divides a one-rank mesh's gradients by the factor twice when it
+    reduces in a dtype other than fp32/bf16 (its pre/post split for fp16/fp64, then the
+    one-rank copy's own division): measured, fp64 experts on edp = 1 under dp = 2 got half
+    their gradient. Refused instead of training on wrong gradients."""
+    p = next(module.parameters(), None)
+    reduce = mp_policy.reduce_dtype or (p.dtype if p is not None else None)
+    if mesh.size() == 1 and dp > 1 and reduce not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"parallel.zero=3 with a {reduce} reduction on a one-rank group (here "
+                         f"{type(module).__name__}'s): FSDP2 would divide its gradients by "
+                         f"dp={dp} twice; use parallel.zero <= 2, fp32/bf16 parameters, or a "
+                         f"layout whose expert-data-parallel degree (dp*tp/(ep*etp)) is > 1")
 
 
 def _divide_by(fsdp_module, mesh, dp: int) -> None:

@@ -22,7 +22,9 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     forward, r A and A rows of gradients backward (A = b S K / tp own rows, r A received at
     imbalance r, capped by the capacity factor), each direction in its moe.dispatch_dtype
     format (moe/wire.py: auto = 2 bytes a channel under bf16/fp16, 4 under fp32; fp8 = D + 4
-    ceil(D/128) bytes a row forward, bf16 the rest), + the P x L int64 count table
+    ceil(D/128) bytes a row forward, bf16 the rest), + the P x E int64 count table; split
+    into bytes inside this rank's node and across nodes, and moe.dispatch=hierarchical's
+    two hops, in expert_nodes.py
   expert tensor parallel (etp > 1), per MoE layer and micro-batch: 4 n N rows of D (the
     gather and the partial outputs, forward and backward; N rows reached this rank's
     experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
@@ -58,19 +60,28 @@ from collections import Counter
 from moe.wire import named_formats, wire_row_bytes
 
 from ..ledger import KINDS, classify
+from .expert_nodes import ep_nodes, expert_a2a_bytes, nodes_per_token
 from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
 from .rank_state import muon_facts
 
 
-def step_comm(w, plan, state) -> tuple:
+def step_comm(w, plan, state, node_size: int = 8) -> tuple:
     """({kind: bytes}, [(kind, collective, dim, group size, bytes)]) for this rank: the
     kinds of parallel/ledger.py (zeros omitted) and the events behind them (step_time.py
-    turns those into seconds)."""
+    turns those into seconds). node_size: global ranks per node. The expert all-to-all's
+    events are split by where the bytes go: dims "ep@intra" (this rank's node, itself
+    included) and "ep@inter" (other nodes), see expert_nodes.py."""
     if plan.world == 1:
         return {}, []
     out, events = Counter(), []
 
     def book(collective, dim, nbytes):
+        if dim in ("ep@intra", "ep@inter"):  # the expert all-to-all's parts (expert_nodes.py)
+            size = ep_nodes(plan, state.rank, node_size).per if dim == "ep@intra" else plan.ep
+            if nbytes:
+                out["expert_all_to_all"] += int(nbytes)
+                events.append(("expert_all_to_all", collective, dim, size, int(nbytes)))
+            return
         dims, size = state.groups[dim]
         if size > 1 and nbytes:
             kind = classify(collective, set(dims))
@@ -85,7 +96,7 @@ def step_comm(w, plan, state) -> tuple:
         out["tied_embedding"] += tied
         events.append(("tied_embedding", "reduce", "pp", 2, tied))
     _pipeline(w, plan, state, book)
-    _experts(w, plan, state, book)
+    _experts(w, plan, state, book, node_size)
     _context(w, plan, state, book)
     if plan.tp_mode == "1d":
         _tensor(w, plan, state, book, out, events)
@@ -164,27 +175,29 @@ def micro_count(w, plan) -> int:
     return local // (w.micro_batch_size or local)
 
 
-def _experts(w, plan, state, book) -> None:
+def _experts(w, plan, state, book, node_size: int) -> None:
     moe_blocks = [i for i in w.blocks_on(state, plan) if w.is_moe_block(i)]
     if plan.etp > 1 and moe_blocks:
         _expert_tensor(w, plan, moe_blocks, book)
     if plan.ep == 1 or not moe_blocks:
         return
-    moe, seqs = w.moe_cfg, micro_seqs(w, plan)
-    again = plan.recompute == "full"  # recomputation repeats dispatch and combine
+    moe, seqs, passes = w.moe_cfg, micro_seqs(w, plan), (2 if plan.recompute == "full" else 1)
     r = w.imbalance if not moe.capacity_factor else min(w.imbalance, moe.capacity_factor)
-    dispatch_b, combine_b, backward_b = a2a_row_bytes(getattr(moe, "dispatch_dtype", "auto"),
-                                                      plan.precision, w.model_cfg.d_model)
-    nbytes = 0.0
-    for stream, S in w.stream_tokens.items():
-        n = len(moe_blocks)
-        own = seqs * local_tokens(plan, S) * moe.top_k / plan.tp
+    rows = a2a_row_bytes(getattr(moe, "dispatch_dtype", "auto"), plan.precision, w.model_cfg.d_model)
+    nodes = ep_nodes(plan, state.rank, node_size)
+    nu = nodes_per_token(w, nodes)
+    intra = inter = 0.0
+    for S in w.stream_tokens.values():
+        tokens = seqs * local_tokens(plan, S) / plan.tp
+        own = tokens * moe.top_k
         if moe.capacity_factor and moe.capacity_factor < 1:
             own *= moe.capacity_factor
-        forward = own * dispatch_b + r * own * combine_b
-        nbytes += n * ((2 if again else 1) * forward + (own + r * own) * backward_b)
-    table = moe.num_experts * 8 * len(moe_blocks) * len(w.stream_tokens) * (2 if again else 1)
-    book("a2a", "ep", (nbytes + table) * micro_count(w, plan))
+        a, b = expert_a2a_bytes(getattr(moe, "dispatch", "flat"), tokens, own, r, nu, nodes,
+                                moe.num_experts, rows, passes)
+        intra, inter = intra + a * len(moe_blocks), inter + b * len(moe_blocks)
+    m = micro_count(w, plan)
+    book("a2a", "ep@intra", intra * m)
+    book("across", "ep@inter", inter * m)
 
 
 def a2a_row_bytes(mode: str, precision: str, D: int) -> tuple:

@@ -11,7 +11,8 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
-from .step_time import comm_seconds, hideable_seconds, host_seconds, stage_seconds, wire_bytes
+from .step_time import (a2a_by_node, comm_seconds, hideable_seconds, host_seconds, node_size,
+                        stage_seconds, wire_bytes)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class StagePrediction:
     comm_s: dict
     step_s: float
     step_s_min: float = 0.0    # lower bound: overlappable communication hidden (step_time.py)
+    a2a_nodes: dict = field(default_factory=dict)  # expert_all_to_all_{intra,inter}_node bytes
 
 
 @dataclass
@@ -113,7 +115,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
         acts = activations(w, plan, state, stage)
-        comm, events = step_comm(w, plan, state)
+        comm, events = step_comm(w, plan, state, node_size(plan, hw))
         flops = rank_flops(costs, w, plan, state)
         comm_s = comm_seconds(events, plan, rank, hw)
         if plan.offload != "none":
@@ -123,7 +125,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
             flops, comm_s,
             stage_seconds(flops, comm_s, out.bubble, hw),
-            stage_seconds(flops, comm_s, out.bubble, hw, hideable_seconds(comm_s, plan, d))))
+            stage_seconds(flops, comm_s, out.bubble, hw, hideable_seconds(comm_s, plan, d)),
+            a2a_by_node(events)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

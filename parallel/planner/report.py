@@ -118,12 +118,15 @@ def _plan_dict(plan) -> dict:
 
 
 def comm_by_kind(p) -> dict:
-    """{kind: bytes per step} of the busiest stage of each kind."""
+    """{kind: bytes per step} of the busiest stage of each kind, and the expert all-to-all's
+    bytes inside and across nodes (expert_all_to_all_intra_node / _inter_node: parts of
+    expert_all_to_all, not more bytes)."""
     out = {}
     for st in p.stages:
         for k, v in st.comm_bytes.items():
             out[k] = max(out.get(k, 0), v)
-    return out
+    busiest = max(p.stages, key=lambda st: st.comm_bytes.get("expert_all_to_all", 0), default=None)
+    return {**out, **(busiest.a2a_nodes if busiest is not None else {})}
 
 
 def pred_dict(p) -> dict:

@@ -274,13 +274,17 @@ def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> tuple:
         bw = hw.intra_bw_gbs if inside[dim] else hw.inter_bw_gbs
         return nbytes * _WIRE.get(collective, lambda n: 1.0)(P) / (bw * 1e9)
 
+    ep_link = {"ep@intra": hw.intra_bw_gbs, "ep@inter": hw.inter_bw_gbs}  # expert_nodes.py
+
     def book(collective, dim, nbytes):
-        if dim in sizes:
+        if dim in ep_link:
+            total[0] += nbytes * _WIRE[collective](sizes["ep"]) / (ep_link[dim] * 1e9)
+        elif dim in sizes:
             surely = dim in stretched or (dim == "tp" and collective != "reduce")
             total[0 if surely else 1] += seconds(collective, dim, nbytes)
     if pipeline:
         _pipeline(w, plan, state, book)
-    _experts(w, plan, state, book)
+    _experts(w, plan, state, book, hw.gpus_per_node)
     _context(w, plan, state, book)
     if plan.tp > 1 and plan.tp_mode == "1d":
         out = Counter()

@@ -39,13 +39,33 @@ from .hardware import Hardware
 INSIDE_STEP = {"tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
                "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
 _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
-         "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0}
+         "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0,
+         "across": lambda P: 1.0}   # an all-to-all's bytes to other nodes (expert_nodes.py)
+# the expert all-to-all's parts (expert_nodes.py): inside this rank's node, to other nodes
+_LINKS = {"ep@intra": "intra", "ep@inter": "inter"}
 
 
-def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware) -> float:
+def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware, node_size: int) -> float:
+    if dim in _LINKS:
+        return (hw.intra_bw_gbs if _LINKS[dim] == "intra" else hw.inter_bw_gbs) * 1e9
     ranks = next((g for g in groups.get(dim, [[rank]]) if rank in g), [rank])
-    inside = len({r // hw.gpus_per_node for r in ranks}) == 1
+    inside = len({r // node_size for r in ranks}) == 1
     return (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
+
+
+def node_size(plan, hw: Hardware) -> int:
+    """Global ranks per node: parallel.gpus_per_node where the plan sets it, else the
+    hardware's --gpus-per-node."""
+    return plan.gpus_per_node or hw.gpus_per_node
+
+
+def a2a_by_node(events) -> dict:
+    """{expert_all_to_all_intra_node, expert_all_to_all_inter_node: bytes} of the events."""
+    out = {f"expert_all_to_all_{side}_node": 0 for side in ("intra", "inter")}
+    for kind, _, dim, _, n in events:
+        if dim in _LINKS:
+            out[f"{kind}_{_LINKS[dim]}_node"] += n
+    return out if any(out.values()) else {}
 
 
 def wire_bytes(events) -> int:
@@ -58,7 +78,7 @@ def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
     out, groups = {}, rank_groups(plan) if events else {}
     for kind, collective, dim, size, nbytes in events:
         wire = nbytes * _WIRE.get(collective, lambda P: 1.0)(size)
-        out[kind] = out.get(kind, 0.0) + wire / _bandwidth(groups, rank, dim, hw)
+        out[kind] = out.get(kind, 0.0) + wire / _bandwidth(groups, rank, dim, hw, node_size(plan, hw))
     return out
 
 

@@ -25,6 +25,8 @@ class Workload:
     build_stage: Callable = None   # (block ids) -> the model with only those blocks its own
                                    # (the others shared with a template that nothing modifies:
                                    # a pipeline rank's read copies 1/pp of the model); None = build_model
+    nodes_per_token: float = 0.0   # measured distinct nodes of a token's experts (a load profile's
+                                   # nodes_per_token mean); 0 = from routing (expert_nodes.py)
 
     @property
     def gated(self) -> bool:

@@ -1,0 +1,160 @@
+"""Node-aware expert dispatch (moe.dispatch = hierarchical): a token crosses to a node once.
+
+Shapes: T tokens, D model dim, A assignments this rank sends (send order: destination rank,
+slot), U unique (node, token) rows this rank sends, P ranks of the ep group, W expert slots
+per rank, n nodes, G = P / n ranks per node (moe/nodes.py), U1 / A1 rows / assignments a
+proxy receives, N rows an expert rank receives.
+
+Flat dispatch sends one row per assignment: a token routed to k experts on one remote node
+crosses the network k times. Here (DeepSeek-V3's dispatch, DeepEP's internode kernels):
+  hop 1  each token goes once to every node holding one of its experts, to the rank with the
+         sender's local index there (its proxy), with the assignments it serves on that node
+         (an int index into the rows sent, and the gate: fp32, differentiable);
+  hop 2  the proxy fans the row out to the experts of its node, exactly the (destination,
+         slot) rows of the flat dispatch: the expert ranks receive what they would have;
+  combine: the expert outputs return to the proxy, which weighs them by their gates and sums
+         each token's rows of its node (moe/dispatcher.weighted_combine), so one row per
+         (token, node) crosses back; the sender adds its token's node rows.
+Backward mirrors it: the proxy sums a token's gradient rows before they cross back.
+
+Both hops are all_to_all_single calls on the ep group (a rank sends only to its proxies in hop
+1 and only inside its node in hop 2; the other splits are zero). The rows are encoded once in
+the wire format (moe/wire.py) and decoded on the expert rank: hop 2 forwards the encoded
+bytes, so fp8 rows are quantized once, as in the flat dispatch. The expert ranks see the same
+rows in the same order as flat dispatch, so capacity, dropless routing, replicas (rows of a
+replica cross to the replica's node) and expert tensor parallelism need nothing here; only
+the combine's summation order differs (a token's rows are summed per node, then over nodes).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .all_to_all import all_to_all, exchange_counts, exchange_in, start_exchange
+from .dispatcher import DispatchMeta, weighted_combine
+from .ep_dispatcher import EPDispatchMeta, ExpertParallelDispatcher, source_to_expert_order
+from .nodes import ExpertNodes
+from .wire import arrival_dtype, decode, encode
+
+__all__ = ["HierarchicalDispatcher", "Hops", "proxy_table"]
+
+
+@dataclass(frozen=True)
+class Hops:
+    send1: tuple            # hop 1: unique rows this rank sends to each rank (its proxies)
+    recv1: tuple            # hop 1: rows this rank receives as a proxy from each source
+    fan_A1: torch.Tensor    # long [A1]: hop-2 rows in send order, as indices into hop 1's rows
+    gate_A1: torch.Tensor   # fp32 [A1]: their gates (in the graph: the router's gradient)
+    token_U: torch.Tensor   # long [U]: the token of each row this rank sent in hop 1
+
+
+def proxy_table(table_PPW: torch.Tensor, nodes: ExpertNodes) -> torch.Tensor:
+    """long [P, P, W]: rows each proxy sends to each (destination, slot) in hop 2: the rows of
+    table_PPW[s, d, w] go through proxy(s, node of d)."""
+    P = table_PPW.shape[0]
+    node_D = torch.tensor(nodes.node_of_rank)
+    local_S = torch.arange(P) % nodes.ranks_per_node
+    proxy_SD = node_D.view(1, P) * nodes.ranks_per_node + local_S.view(P, 1)
+    dest_SD = torch.arange(P).view(1, P).expand(P, P)
+    out = torch.zeros_like(table_PPW)
+    return out.index_put_((proxy_SD, dest_SD), table_PPW, accumulate=True)
+
+
+class _TwoHops(torch.autograd.Function):
+    """Unique rows -> proxies -> expert ranks, encoded once; backward sums at the proxy."""
+
+    @staticmethod
+    def forward(ctx, x_UD, hops, send2, recv2, group, wire):
+        ctx.hops, ctx.splits2, ctx.group, ctx.wire, ctx.in_dtype = hops, (send2, recv2), group, wire, x_UD.dtype
+        fmt = None if wire is None or wire.forward == x_UD.dtype else wire.forward
+        payload = x_UD if fmt is None else encode(x_UD, fmt)
+        got1 = start_exchange(payload, hops.recv1, hops.send1, group, async_op=False)[0]
+        ctx.rows1 = got1.shape[0]
+        fanned = got1.index_select(0, hops.fan_A1.to(got1.device))
+        got2 = start_exchange(fanned, recv2, send2, group, async_op=False)[0]
+        if fmt is None:
+            return got2
+        return decode(got2, fmt, x_UD.shape[-1], arrival_dtype(x_UD, fmt))
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        hops, (send2, recv2), group = ctx.hops, ctx.splits2, ctx.group
+        fmt = None if ctx.wire is None else ctx.wire.backward
+        g_A1D = exchange_in(fmt, grad_ND, send2, recv2, group, ctx.in_dtype)
+        g_U1D = g_A1D.new_zeros(ctx.rows1, g_A1D.shape[-1])
+        g_U1D.index_add_(0, hops.fan_A1.to(g_A1D.device), g_A1D)
+        g_UD = exchange_in(fmt, g_U1D, hops.send1, hops.recv1, group, ctx.in_dtype)
+        return g_UD, None, None, None, None, None
+
+
+class HierarchicalDispatcher(ExpertParallelDispatcher):
+    """ExpertParallelDispatcher whose rows cross nodes once per (token, node): same routing,
+    placement and expert-side rows; `nodes` says which ep ranks share a node."""
+
+    def __init__(self, num_experts: int, group, replica_slots: int, nodes: ExpertNodes):
+        super().__init__(num_experts, group, replica_slots)
+        if nodes.world != self.world:
+            raise ValueError(f"nodes describe {nodes.world} ranks, the ep group has {self.world}")
+        self.nodes = nodes
+
+    def _hop1(self, sp, x_TD):
+        """-> (x_UD, token_U, send1, recv1, index_A, send_a, recv_a): this rank's unique
+        (node, token) rows in node order, and each assignment's index among the rows sent to
+        its node."""
+        P, r, nodes, T = self.world, self.rank, self.nodes, x_TD.shape[0]
+        node_P = torch.tensor(nodes.node_of_rank)
+        rows_P = sp.table_PPW[r].sum(1)
+        node_A = torch.repeat_interleave(node_P, rows_P).to(x_TD.device)
+        key_A = node_A * T + sp.local.token_N
+        key_U, inv_A = torch.unique(key_A, sorted=True, return_inverse=True)
+        per_node = torch.bincount(key_U // T, minlength=nodes.num_nodes)
+        start_node = torch.cumsum(per_node, 0) - per_node
+        index_A = inv_A - start_node[node_A]
+        proxies = [nodes.proxy(r, m) for m in range(nodes.num_nodes)]
+        send1, send_a = [0] * P, [0] * P
+        assign_node = torch.bincount(node_P.repeat_interleave(rows_P), minlength=nodes.num_nodes)
+        for m, (u, a) in enumerate(zip(per_node.tolist(), assign_node.tolist())):
+            send1[proxies[m]], send_a[proxies[m]] = u, a
+        recv1 = exchange_counts(torch.tensor(send1, device=x_TD.device).view(P, 1), self.group)
+        mine = [s for s in range(P) if nodes.proxy(s, nodes.node_of_rank[r]) == r]
+        on_node = [d for d in range(P) if nodes.node_of_rank[d] == nodes.node_of_rank[r]]
+        recv_a = [0] * P
+        for s in mine:
+            recv_a[s] = int(sp.table_PPW[s, on_node].sum())
+        token_U = key_U % T
+        return (F.embedding(token_U, x_TD), token_U, tuple(send1),
+                tuple(recv1.view(-1).tolist()), index_A, send_a, recv_a, mine, on_node)
+
+    def dispatch(self, x_TD: torch.Tensor, routing, wire=None):
+        """-> (x_ND, counts_L, meta): the rows of the flat dispatch, in the same order."""
+        P, r, W = self.world, self.rank, self.num_local + self.replica_slots
+        sp = self.plan(x_TD, routing)
+        x_UD, token_U, send1, recv1, index_A, send_a, recv_a, mine, on_node = self._hop1(sp, x_TD)
+        # the assignments' row indices (no gradient) and gates (differentiable) to the proxies
+        idx_A1 = start_exchange(index_A.to(torch.int32).view(-1, 1), recv_a, send_a, self.group,
+                                async_op=False)[0].view(-1).long()
+        gate_A1 = all_to_all(sp.local.gate_N.view(-1, 1), recv_a, send_a, self.group).view(-1)
+        # as a proxy: assignments arrive (source, destination, slot); hop 2 sends (destination, slot, source)
+        mask = torch.zeros(P, P, 1, dtype=torch.long)
+        mask[torch.tensor(mine).view(-1, 1), torch.tensor(on_node).view(1, -1)] = 1
+        recv_PX = (sp.table_PPW * mask).reshape(P, P * W)
+        order_A1 = source_to_expert_order(recv_PX).to(idx_A1.device)
+        start_S = torch.cumsum(torch.tensor(recv1), 0) - torch.tensor(recv1)
+        row_A1 = idx_A1 + torch.repeat_interleave(start_S, torch.tensor(recv_a)).to(idx_A1.device)
+        hops = Hops(send1, recv1, row_A1[order_A1], gate_A1[order_A1], token_U)
+        ex = self.exchange_plan(proxy_table(sp.table_PPW, self.nodes), sp.placement)
+        x_ND = _TwoHops.apply(x_UD, hops, ex.send_splits, ex.recv_splits, self.group, wire)
+        meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N.to(x_ND.device),
+                              ex.counts_L, sp.placement, hops)
+        return x_ND[ex.perm_N.to(x_ND.device)], list(ex.counts_L), meta
+
+    def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None) -> torch.Tensor:
+        hops = meta.hops
+        y_A1D = all_to_all(y_ND[meta.unperm_N], list(meta.send_splits), list(meta.recv_splits),
+                           self.group, wire)
+        per_row = DispatchMeta(hops.fan_A1, hops.gate_A1, None, 0, sum(hops.recv1), None)
+        z_U1D = weighted_combine(y_A1D, per_row, y_A1D.dtype)
+        z_UD = all_to_all(z_U1D, list(hops.send1), list(hops.recv1), self.group, wire)
+        per_token = DispatchMeta(hops.token_U, torch.ones_like(hops.token_U, dtype=torch.float32),
+                                 None, 0, meta.local.num_tokens, None)
+        return weighted_combine(z_UD, per_token, out_dtype)
