@@ -21,7 +21,22 @@ nodes of 8 GPUs, uniform routing: 7/8 of a token's copies go to another node) in
 token per MoE layer across nodes, forward + backward, for each mode. The issue's 401 KB for
 bf16 is this count.
 
-Run:  python bench/dispatch.py            (P=2, T=256, D=7168, F=64, E=16, K=8; ~1 minute)
+Second table, node-aware dispatch (moe.dispatch, moe.max_nodes): 8 ranks declared as 8
+nodes of one rank (parallel.gpus_per_node=1), 8 experts each (E=64), top-8, D=7168: per mode
+  B/token across  the ledger's bytes to other nodes (take_a2a_nodes: every all-to-all of the
+             layer, forward and backward, count tables included) per token, over all ranks
+  ratio      over flat fp32's
+  planner    parallel/planner/expert_nodes.py's across-node bytes per token for this shape,
+             given the measured nodes per token (nu), over its flat fp32 figure
+  nu         distinct nodes a token's experts lie on (measured from the routing)
+  step ms, err vs bf16   as above (err against flat bf16: hierarchical changes the combine's
+             summation order; max_nodes changes the routing itself, so its err is not a wire
+             error)
+Then the planner's DeepSeek-V3 figure (EP64 over 8 nodes, 256 experts, uniform routing) per
+token per MoE layer across nodes for the same modes.
+
+Run:  python bench/dispatch.py            (P=2, T=256, D=7168, F=64, E=16, K=8; then P=8,
+                                           T=128, E=64; ~3 minutes)
       python bench/dispatch.py --quick    (D=512, T=64; seconds)
 """
 import argparse
@@ -37,7 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe import MoELayer  # noqa: E402
 from parallel.expert import apply_expert_parallel  # noqa: E402
 from parallel.ledger import CommLedger  # noqa: E402
+from moe.nodes import expert_nodes  # noqa: E402
 from parallel.planner.comm import a2a_row_bytes  # noqa: E402
+from parallel.planner.expert_nodes import EpNodes, expert_a2a_bytes  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 MODES = ("fp32", "bf16", "fp8", "auto")  # auto under bf16 autocast
@@ -72,6 +89,92 @@ def _worker(rank, world, cfg):
     for mode in MODES:
         out[mode]["err"] = float((ys[mode] - ys["bf16"]).norm() / ys["bf16"].norm())
     return out
+
+
+NODE_MODES = (("flat", "fp32", 0), ("flat", "bf16", 0), ("flat", "fp8", 0),
+              ("hierarchical", "bf16", 0), ("hierarchical", "fp8", 0), ("hierarchical", "fp8", 4))
+
+
+def _node_worker(rank, world, cfg):
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(cfg["T"] // 16, 16, cfg["D"], generator=g).to(dev).requires_grad_()
+    nodes = expert_nodes(range(world), 1)
+    out, ys = {}, {}
+    for mode in NODE_MODES:
+        dispatch, wire, M = mode
+        torch.manual_seed(0)
+        layer = MoELayer(cfg["D"], cfg["F"], cfg["E"], top_k=cfg["K"], activation="swiglu",
+                         dispatch_dtype=wire, dispatch=dispatch, max_nodes=M or None).to(dev)
+        apply_expert_parallel(layer, dist.group.WORLD, ranks_per_node=1)
+        ledger = CommLedger({"ep": dist.group.WORLD}, ranks_per_node=1)
+        times = []
+        for it in range(cfg["warmup"] + cfg["iters"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with ledger.recording(), torch.autocast(dev.type, dtype=torch.bfloat16):
+                y = layer(x)
+                y.float().square().mean().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if it >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+            split = ledger.take_a2a_nodes().get("expert_all_to_all", {})
+        ids = layer.router(x.detach().reshape(-1, 16, cfg["D"]), None).expert_A.view(-1, cfg["K"])
+        node_TK = ids // (cfg["E"] // nodes.num_nodes)
+        nu = float(sum(len(set(r)) for r in node_TK.tolist())) / node_TK.shape[0]
+        ys[mode] = y.detach().float()
+        out[mode] = dict(inter=sum(split.get("inter_node", {}).values()), nu=nu,
+                         step=statistics.median(times))
+    base = ys[("flat", "bf16", 0)]
+    for mode in NODE_MODES:
+        out[mode]["err"] = float((ys[mode] - base).norm() / base.norm())
+    return out
+
+
+def _planner_inter(mode, P, E, K, D, nu, tokens=4096) -> float:
+    """expert_nodes.py's across-node bytes per token (one rank per node: f = 1/P)."""
+    dispatch, wire, _ = mode
+    rows = a2a_row_bytes(wire, "bf16", D)
+    return expert_a2a_bytes(dispatch, tokens, tokens * K, 1.0, nu, EpNodes(P, 1, P), E, rows, 1)[1] / tokens
+
+
+def _node_table(P: int, cfg: dict) -> None:
+    print(f"\nnode-aware dispatch: P={P} ranks as {P} declared nodes, T={cfg['T']}/rank D={cfg['D']} "
+          f"E={cfg['E']} K={cfg['K']}, bf16 autocast")
+    results = run_distributed(_node_worker, P, cfg, timeout=1800)
+    first = NODE_MODES[0]
+    base = sum(r[first]["inter"] for r in results)
+    nu0 = sum(r[first]["nu"] for r in results) / P
+    plan0 = _planner_inter(first, P, cfg["E"], cfg["K"], cfg["D"], nu0)
+    print(f"{'dispatch':<13} {'wire':<5} {'max_nodes':>9} {'B/token across':>15} {'ratio':>7} "
+          f"{'planner':>8} {'nu':>5} {'step ms':>8} {'err vs bf16':>12}")
+    for mode in NODE_MODES:
+        inter = sum(r[mode]["inter"] for r in results)
+        nu = sum(r[mode]["nu"] for r in results) / P
+        planner = _planner_inter(mode, P, cfg["E"], cfg["K"], cfg["D"], nu) / plan0
+        step = max(r[mode]["step"] for r in results)
+        print(f"{mode[0]:<13} {mode[1]:<5} {mode[2] or '-':>9} {inter / (P * cfg['T']):>15.0f} "
+              f"{inter / base:>7.3f} {planner:>8.3f} {nu:>5.2f} {step * 1e3:>8.1f} "
+              f"{results[0][mode]['err']:>12.2e}")
+
+
+def _deepseek_v3_nodes() -> None:
+    """The planner's DeepSeek-V3 figure per token per MoE layer across nodes, each node mode."""
+    from types import SimpleNamespace
+
+    from parallel.planner.expert_nodes import nodes_per_token
+    ep = EpNodes(64, 8, 8)
+    print("planner, DeepSeek-V3 (EP64 over 8 nodes of 8 GPUs, 256 experts, top-8, uniform "
+          "routing): bytes per token per MoE layer across nodes, forward + backward")
+    for mode in NODE_MODES:
+        moe = SimpleNamespace(num_experts=256, top_k=8, max_nodes=mode[2])
+        nu = nodes_per_token(SimpleNamespace(moe_cfg=moe, nodes_per_token=0), ep)
+        rows = a2a_row_bytes(mode[1], "bf16", 7168)
+        inter = expert_a2a_bytes(mode[0], 4096, 4096 * 8, 1.0, nu, ep, 256, rows, 1)[1] / 4096
+        print(f"  {mode[0]:<13} {mode[1]:<5} max_nodes {mode[2] or '-':<2} nu {nu:.2f}  "
+              f"{inter / 1e3:>7.1f} KB")
 
 
 def _deepseek_v3_table() -> None:
@@ -112,6 +215,9 @@ def main() -> None:
         print(f"{mode:<6} {rows_bytes(mode) / (P * cfg['T']):>10.0f} {rows_bytes(mode) / base:>7.3f} "
               f"{planner:>8.3f} {step * 1e3:>8.1f} {results[0][mode]['err']:>12.2e}")
     _deepseek_v3_table()
+    node_cfg = dict(cfg, T=128 if not args.quick else 32, E=64)
+    _node_table(8, node_cfg)
+    _deepseek_v3_nodes()
 
 
 if __name__ == "__main__":

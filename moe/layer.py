@@ -371,7 +371,8 @@ class MoELayer(nn.Module):
         if self.dispatch != "flat":
             parts.append(f"dispatch={self.dispatch}")
         if r.max_nodes is not None:
-            parts.append(f"max_nodes={r.max_nodes} of {r.expert_nodes} nodes")
+            parts.append(f"max_nodes={r.max_nodes}" + (f" of the experts' {r.expert_nodes} nodes"
+                                                       if r.expert_nodes > 1 else ""))
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

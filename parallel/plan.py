@@ -507,8 +507,26 @@ def _check_nodes(p: ParallelPlan, moe_cfg) -> None:
                    f"not its experts' nodes; set one of them to 0")
     if g and p.ep > 1 and (mode == "hierarchical" or M):
         from moe.nodes import expert_nodes
-        for ranks in ep_group_ranks(p):
-            expert_nodes(ranks, g)  # the same number of ep ranks on every node
+        # the same number of ep ranks on every node; groups may span different node counts
+        spans = {expert_nodes(ranks, g).num_nodes for ranks in ep_group_ranks(p)}
+        if M and len(spans) > 1:  # the routing would differ between expert-data-parallel copies
+            raise _err(f"moe.max_nodes={M}: the expert-parallel groups span {sorted(spans)} nodes of "
+                       f"parallel.gpus_per_node={g} ranks, so tokens would be routed differently "
+                       f"on different groups; choose gpus_per_node so that every ep group spans "
+                       f"the same number of nodes (e.g. a multiple of ep*etp or a divisor of it)")
+        for n in sorted(spans) if M else ():
+            _check_node_routing(moe_cfg, n)
+
+
+def _check_node_routing(moe_cfg, n: int) -> None:
+    """max_nodes against the experts' n nodes: the router's own check, before any collective."""
+    from moe.config import RoutingConfig
+    try:
+        RoutingConfig(num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k,
+                      n_group=moe_cfg.n_group, topk_group=moe_cfg.topk_group or None,
+                      max_nodes=moe_cfg.max_nodes, expert_nodes=n)
+    except ValueError as e:
+        raise _err(f"moe.{e} (the experts span {n} nodes of parallel.gpus_per_node ranks)") from None
 
 
 def _check_overlap(p: ParallelPlan, moe_cfg) -> None:

@@ -32,6 +32,11 @@ TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.d_ff=6
 SWITCH = ["model.arch=switch", "model.vocab_size=384", "model.n_layers=2"]  # + sentinel ids
 MUON = ["train.optimizer=muon"]
 FP8_DISPATCH = ["moe.dispatch_dtype=fp8"]
+# moe.dispatch=hierarchical on 2 declared nodes of 2: force-balanced top-2 of 4 experts sends
+# token t to experts 2t, 2t+1 (mod 4), one node, so the measured nodes per token is 1 (what
+# `python -m trainer.profile ... --nodes 2` reports); the planner is given it (--nodes-per-token)
+HIER = ["moe.dispatch=hierarchical"]
+NODES_PER_TOKEN = {tuple(HIER): 1.0}
 LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep are inside the
     # zero-1 and composed layouts (same all-reduce and all-to-all terms), to keep the launches few
     (1, {}),
@@ -66,6 +71,10 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # rows every way; fp8 sends e4m3 rows + a scale per 128 channels forward, bf16 the rest
     (2, {"dp": 2, "ep": 2, "precision": "bf16"}),
     (2, {"dp": 2, "ep": 2}, FP8_DISPATCH),
+    # bytes inside and across declared nodes (comm_bytes_a2a_nodes against the planner's
+    # expert_all_to_all_intra_node / _inter_node): the flat dispatch and the hierarchical one
+    (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}),
+    (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}, HIER),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 # Layouts whose peak is printed, not asserted, and why. dp2 x ep2 in bf16: the planner's bf16
@@ -93,10 +102,10 @@ def _measure_all(jobs: list, tmp: Path) -> list:
     return out
 
 
-def _predict(world: int, args: list):
+def _predict(world: int, args: list, nodes_per_token: float = 0.0):
     from trainer.config import load_config
     cfg = load_config(None, args)
-    w = workload_from_config(cfg)
+    w = workload_from_config(cfg, nodes_per_token=nodes_per_token)
     plan = w.validate(cfg.parallel, world)
     return predict(w, plan, Hardware(), model_costs(w.build_model(), w), StateCache(w.build_model))
 
@@ -118,9 +127,10 @@ def test_planner_predicts_measured_runs(tmp_path):
     measured = _measure_all(jobs, tmp_path)
     for (world, spec, *extra), (_, args), recs in zip(LAYOUTS, jobs, measured):
         name = f"w{world} " + ({tuple(SWITCH): "switch ", tuple(MUON): "muon ",
-                                 tuple(FP8_DISPATCH): "fp8 dispatch "}[tuple(extra[0])] if extra else "") + \
+                                 tuple(FP8_DISPATCH): "fp8 dispatch ", tuple(HIER): "hierarchical "}[tuple(extra[0])]
+                               if extra else "") + \
             (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
-        pred = _predict(world, args)
+        pred = _predict(world, args, NODES_PER_TOKEN.get(tuple(extra[0]) if extra else (), 0.0))
         stage = pred.rank0()
         got_state = recs[0]["model_state_bytes"]
         for key in ("params", "grads", "optimizer"):
@@ -134,6 +144,13 @@ def test_planner_predicts_measured_runs(tmp_path):
         for kind in sorted(set(got_comm) | set(stage.comm_bytes)):
             p, g = stage.comm_bytes.get(kind, 0), got_comm.get(kind, 0)
             rows.append((name, f"comm.{kind}", p, g))
+            if not _close(p, g, COMM_TOL):
+                failures.append(rows[-1])
+        split = recs[1].get("comm_bytes_a2a_nodes", {}).get("expert_all_to_all", {})
+        for side in ("intra", "inter") if "gpus_per_node" in spec else ():
+            p = stage.a2a_nodes.get(f"expert_all_to_all_{side}_node", 0)
+            g = sum(split.get(f"{side}_node", {}).values())
+            rows.append((name, f"comm.expert_all_to_all_{side}_node", p, g))
             if not _close(p, g, COMM_TOL):
                 failures.append(rows[-1])
         # the peak is the device's; here the host is the device, so offloaded state adds to it
