@@ -37,6 +37,9 @@ RUNS = [
      [], None, "FP8, DualPipe, H800"),
     ("DeepSeek-V3, fp8 dispatch", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
      ["moe.dispatch_dtype=fp8"], None, "as above; the dispatch in FP8 as DeepSeek's"),
+    ("DeepSeek-V3, per-node dispatch", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
+     ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical", "moe.max_nodes=4"], None,
+     "as above; once per node, at most 4 nodes, as DeepSeek's"),
 ]
 DEEPSEEK_TOKENS, DEEPSEEK_GPU_HOURS = 14.8e12, 2.664e6
 

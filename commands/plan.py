@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
                "--json fields per layout: layout (every parallel field), name, fits, reason, "
                "peak_bytes, peak_gb (per pipeline stage), step_s and step_s_min (upper and "
                "lower bound), tokens_per_s, tflops_per_gpu, mfu (null without a peak), "
-               "comm_bytes (by ledger kind, busiest stage), bubble, ranks (one per stage: "
+               "comm_bytes (by ledger kind, busiest stage; expert_all_to_all_intra_node and "
+               "_inter_node: its parts inside and across nodes), bubble, ranks (one per stage: "
                "model_state_bytes by kind and device, activation_bytes, memory_bytes by phase, "
                "comm_bytes, wire_bytes, flops, comm_s, step_s); with --layout also memory "
                "(per stage, by device and kind) and fixes.",
