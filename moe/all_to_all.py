@@ -29,10 +29,6 @@ def start_exchange(x_ND, out_splits, in_splits, group, async_op: bool = True):
     return out, work
 
 
-def _exchange(x_ND, out_splits, in_splits, group):
-    return start_exchange(x_ND, out_splits, in_splits, group, async_op=False)[0]
-
-
 def start_exchange_in(x_ND, out_splits, in_splits, group, fmt=None, arrive=None,
                       async_op: bool = True):
     """-> (out, work, finish): the exchange of x_ND's rows in format `fmt` (None: as they are)
@@ -45,21 +41,26 @@ def start_exchange_in(x_ND, out_splits, in_splits, group, fmt=None, arrive=None,
     return out, work, lambda got: decode(got, on_wire, D, dtype)
 
 
-def exchange_in(fmt, x_ND, out_splits, in_splits, group, arrive=None):
+def exchange_in(fmt, x_ND, out_splits, in_splits, group, arrive=None, waiter=None):
     """The rows of x_ND exchanged in format `fmt` (None: as they are), decoded into `arrive`
-    (None: x_ND's dtype)."""
-    out, _, finish = start_exchange_in(x_ND, out_splits, in_splits, group, fmt, arrive, async_op=False)
+    (None: x_ND's dtype). waiter(work): issued asynchronously and waited for by the waiter
+    (parallel/interleave.py: another micro-batch runs meanwhile); None: a blocking exchange."""
+    out, work, finish = start_exchange_in(x_ND, out_splits, in_splits, group, fmt, arrive,
+                                          async_op=waiter is not None)
+    if waiter is not None:
+        waiter(work)
     return finish(out)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group, wire):
+    def forward(ctx, x_ND, out_splits, in_splits, group, wire, waiter):
         ctx.splits, ctx.group, ctx.wire, ctx.in_dtype = (out_splits, in_splits), group, wire, x_ND.dtype
+        ctx.waiter = waiter
         if wire is None:
-            return _exchange(x_ND, out_splits, in_splits, group)
+            return exchange_in(None, x_ND, out_splits, in_splits, group, waiter=waiter)
         return exchange_in(wire.forward, x_ND, out_splits, in_splits, group,
-                           arrival_dtype(x_ND, wire.forward))
+                           arrival_dtype(x_ND, wire.forward), waiter)
 
     @staticmethod
     def backward(ctx, grad_ND):
@@ -67,24 +68,24 @@ class _AllToAll(torch.autograd.Function):
         fmt = None if ctx.wire is None else ctx.wire.backward
         # Rows came in as out_splits: send each rank's gradient back where its row came from,
         # arriving in the dtype the rows were sent from.
-        grad = exchange_in(fmt, grad_ND, in_splits, out_splits, ctx.group, ctx.in_dtype)
-        return grad, None, None, None, None
+        grad = exchange_in(fmt, grad_ND, in_splits, out_splits, ctx.group, ctx.in_dtype, ctx.waiter)
+        return grad, None, None, None, None, None
 
 
 def all_to_all(x_ND: torch.Tensor, out_splits: list, in_splits: list, group=None,
-               wire=None) -> torch.Tensor:
+               wire=None, waiter=None) -> torch.Tensor:
     """Send rows x_ND[sum(in_splits[:p]) : sum(in_splits[:p+1])] to rank p of `group`.
 
     Returns the received rows, ordered by source rank, `out_splits[p]` from rank p. Zero
     splits are fine. Differentiable: the gradient flows back by the reverse exchange, so
     every rank of the group must also run backward (or none). wire: a moe/wire.py Wire (the
-    rows' format each way), or None (as they are).
+    rows' format each way), or None (as they are). waiter: see exchange_in (both directions).
     """
     if x_ND.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all: x has {x_ND.shape[0]} rows but in_splits sum to "
                          f"{sum(in_splits)}")
     with torch.profiler.record_function("moe.all_to_all"):
-        return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group, wire)
+        return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group, wire, waiter)
 
 
 def exchange_counts(send_counts_PL: torch.Tensor, group=None) -> torch.Tensor:

@@ -92,9 +92,10 @@ class LocalDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, wire=None):
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, wire=None, waiter=None):
         """-> (x_ND, counts_E, meta); counts_E a long [E] tensor on the device. wire: the
-        exchange's format (moe/wire.py), applied here as the same rounding with no exchange."""
+        exchange's format (moe/wire.py), applied here as the same rounding with no exchange;
+        waiter: unused (nothing to wait for)."""
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
         x_ND, token_N, gate_N, slot_N = gather_sorted(x_TD, routing, order_A)
         meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token, routing.num_tokens,
@@ -105,5 +106,6 @@ class LocalDispatcher:
         """The weights of every expert slot: here just the experts (no replicas)."""
         return params
 
-    def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype, wire=None) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype, wire=None,
+                waiter=None) -> torch.Tensor:
         return weighted_combine(round_trip(y_ND, wire), meta, out_dtype)

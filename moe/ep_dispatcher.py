@@ -138,13 +138,14 @@ class ExpertParallelDispatcher:
         return Exchange(tuple(send_splits), tuple(recv_splits), perm_N, unperm_N,
                         tuple(recv_PW.sum(0).tolist()[:slots]))
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, wire=None):
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, wire=None, waiter=None):
         """-> (x_ND, counts_L, meta). The exchange needs its split sizes on the host, so
         counts_L (rows per local slot) are Python ints here. wire: the rows' format on the
-        wire (moe/wire.py), None: as they are."""
+        wire (moe/wire.py), None: as they are. waiter: moe/all_to_all.py's (the rows'
+        exchanges both ways are waited for through it), None: blocking."""
         sp = self.plan(x_TD, routing)
         ex = self.exchange_plan(sp.table_PPW, sp.placement)
-        x_ND = all_to_all(sp.x_AD, list(ex.recv_splits), list(ex.send_splits), self.group, wire)
+        x_ND = all_to_all(sp.x_AD, list(ex.recv_splits), list(ex.send_splits), self.group, wire, waiter)
         perm_N = ex.perm_N.to(x_ND.device)
         meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N.to(x_ND.device),
                               ex.counts_L, sp.placement)
@@ -175,9 +176,11 @@ class ExpertParallelDispatcher:
                      torch.cat([p, next(reps).reshape(-1, *p.shape[1:]).to(p.dtype)])
                      for p in params)
 
-    def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
+                waiter=None) -> torch.Tensor:
         y_src_ND = y_ND[meta.unperm_N]
-        y_AD = all_to_all(y_src_ND, list(meta.send_splits), list(meta.recv_splits), self.group, wire)
+        y_AD = all_to_all(y_src_ND, list(meta.send_splits), list(meta.recv_splits), self.group,
+                          wire, waiter)
         return weighted_combine(y_AD, meta.local, out_dtype)
 
 

@@ -60,18 +60,24 @@ def proxy_table(table_PPW: torch.Tensor, nodes: ExpertNodes) -> torch.Tensor:
     return out.index_put_((proxy_SD, dest_SD), table_PPW, accumulate=True)
 
 
+def _hop(x, out_splits, in_splits, group, waiter):
+    """One exchange of x as it is, waited for through `waiter` (moe/all_to_all.py)."""
+    return exchange_in(None, x, out_splits, in_splits, group, waiter=waiter)
+
+
 class _TwoHops(torch.autograd.Function):
     """Unique rows -> proxies -> expert ranks, encoded once; backward sums at the proxy."""
 
     @staticmethod
-    def forward(ctx, x_UD, hops, send2, recv2, group, wire):
+    def forward(ctx, x_UD, hops, send2, recv2, group, wire, waiter):
         ctx.hops, ctx.splits2, ctx.group, ctx.wire, ctx.in_dtype = hops, (send2, recv2), group, wire, x_UD.dtype
+        ctx.waiter = waiter
         fmt = None if wire is None or wire.forward == x_UD.dtype else wire.forward
         payload = x_UD if fmt is None else encode(x_UD, fmt)
-        got1 = start_exchange(payload, hops.recv1, hops.send1, group, async_op=False)[0]
+        got1 = _hop(payload, hops.recv1, hops.send1, group, waiter)
         ctx.rows1 = got1.shape[0]
         fanned = got1.index_select(0, hops.fan_A1.to(got1.device))
-        got2 = start_exchange(fanned, recv2, send2, group, async_op=False)[0]
+        got2 = _hop(fanned, recv2, send2, group, waiter)
         if fmt is None:
             return got2
         return decode(got2, fmt, x_UD.shape[-1], arrival_dtype(x_UD, fmt))
@@ -80,11 +86,11 @@ class _TwoHops(torch.autograd.Function):
     def backward(ctx, grad_ND):
         hops, (send2, recv2), group = ctx.hops, ctx.splits2, ctx.group
         fmt = None if ctx.wire is None else ctx.wire.backward
-        g_A1D = exchange_in(fmt, grad_ND, send2, recv2, group, ctx.in_dtype)
+        g_A1D = exchange_in(fmt, grad_ND, send2, recv2, group, ctx.in_dtype, ctx.waiter)
         g_U1D = g_A1D.new_zeros(ctx.rows1, g_A1D.shape[-1])
         g_U1D.index_add_(0, hops.fan_A1.to(g_A1D.device), g_A1D)
-        g_UD = exchange_in(fmt, g_U1D, hops.send1, hops.recv1, group, ctx.in_dtype)
-        return g_UD, None, None, None, None, None
+        g_UD = exchange_in(fmt, g_U1D, hops.send1, hops.recv1, group, ctx.in_dtype, ctx.waiter)
+        return g_UD, None, None, None, None, None, None
 
 
 class HierarchicalDispatcher(ExpertParallelDispatcher):
@@ -125,7 +131,7 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         return (F.embedding(token_U, x_TD), token_U, tuple(send1),
                 tuple(recv1.view(-1).tolist()), index_A, send_a, recv_a, mine, on_node)
 
-    def dispatch(self, x_TD: torch.Tensor, routing, wire=None):
+    def dispatch(self, x_TD: torch.Tensor, routing, wire=None, waiter=None):
         """-> (x_ND, counts_L, meta): the rows of the flat dispatch, in the same order."""
         P, r, W = self.world, self.rank, self.num_local + self.replica_slots
         sp = self.plan(x_TD, routing)
@@ -133,7 +139,7 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         # the assignments' row indices (no gradient) and gates (differentiable) to the proxies
         idx_A1 = start_exchange(index_A.to(torch.int32).view(-1, 1), recv_a, send_a, self.group,
                                 async_op=False)[0].view(-1).long()
-        gate_A1 = all_to_all(sp.local.gate_N.view(-1, 1), recv_a, send_a, self.group).view(-1)
+        gate_A1 = all_to_all(sp.local.gate_N.view(-1, 1), recv_a, send_a, self.group, None, waiter).view(-1)
         # as a proxy: assignments arrive (source, destination, slot); hop 2 sends (destination, slot, source)
         mask = torch.zeros(P, P, 1, dtype=torch.long)
         mask[torch.tensor(mine).view(-1, 1), torch.tensor(on_node).view(1, -1)] = 1
@@ -143,18 +149,19 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         row_A1 = idx_A1 + torch.repeat_interleave(start_S, torch.tensor(recv_a)).to(idx_A1.device)
         hops = Hops(send1, recv1, row_A1[order_A1], gate_A1[order_A1], token_U)
         ex = self.exchange_plan(proxy_table(sp.table_PPW, self.nodes), sp.placement)
-        x_ND = _TwoHops.apply(x_UD, hops, ex.send_splits, ex.recv_splits, self.group, wire)
+        x_ND = _TwoHops.apply(x_UD, hops, ex.send_splits, ex.recv_splits, self.group, wire, waiter)
         meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N.to(x_ND.device),
                               ex.counts_L, sp.placement, hops)
         return x_ND[ex.perm_N.to(x_ND.device)], list(ex.counts_L), meta
 
-    def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
+                waiter=None) -> torch.Tensor:
         hops = meta.hops
         y_A1D = all_to_all(y_ND[meta.unperm_N], list(meta.send_splits), list(meta.recv_splits),
-                           self.group, wire)
+                           self.group, wire, waiter)
         per_row = DispatchMeta(hops.fan_A1, hops.gate_A1, None, 0, sum(hops.recv1), None)
         z_U1D = weighted_combine(y_A1D, per_row, y_A1D.dtype)
-        z_UD = all_to_all(z_U1D, list(hops.send1), list(hops.recv1), self.group, wire)
+        z_UD = all_to_all(z_U1D, list(hops.send1), list(hops.recv1), self.group, wire, waiter)
         per_token = DispatchMeta(hops.token_U, torch.ones_like(hops.token_U, dtype=torch.float32),
                                  None, 0, meta.local.num_tokens, None)
         return weighted_combine(z_UD, per_token, out_dtype)

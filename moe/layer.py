@@ -160,6 +160,7 @@ class MoELayer(nn.Module):
         self.dispatch_dtype = dispatch_dtype
         self.dispatch = dispatch
         self.timeline = None  # set_timeline: a moe/profiling/timeline.py Timeline, or None
+        self.a2a_waiter = None  # set_a2a_waiter: waits for the exchanges (parallel/interleave.py)
         self.d_model, self.d_ff = d_model, d_ff
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, config, init_std)
@@ -265,12 +266,12 @@ class MoELayer(nn.Module):
             y_TD, meta = self._overlapped_forward(x_TD, routing, x.dtype, wires)
         else:
             with record_function("moe.dispatch"):
-                x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, wires[0])
+                x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, wires[0], self.a2a_waiter)
             with record_function("moe.experts"):
                 extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
                 y_ND = self._run_experts(x_ND, counts_E, extend)
             with record_function("moe.combine"):
-                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype, wires[1])
+                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype, wires[1], self.a2a_waiter)
             if self.shared_experts is not None and not self.shared_run_outside:
                 with record_function("moe.shared_experts"):
                     y_TD = y_TD + self.shared_experts(x_TD)
@@ -309,6 +310,16 @@ class MoELayer(nn.Module):
                              "'expert_choice') picks a fixed number of tokens per expert")
         self.router.config = dataclasses.replace(self.router.config, eval_capacity_factor=None,
                                                  expert_capacity=None)
+
+    def set_a2a_waiter(self, waiter) -> None:
+        """Issue this layer's expert all-to-alls (dispatch, combine, and their backward)
+        asynchronously and wait for each through waiter(work) (None: blocking). parallel/
+        interleave.py's waiter runs another micro-batch's work meanwhile (parallel.a2a_overlap
+        = 1f1b); the chunked in-layer overlap keeps its own waits, so it is refused with one."""
+        if waiter is not None and self.a2a_overlap_degree > 1:
+            raise ValueError(f"a2a_overlap_degree={self.a2a_overlap_degree} (moe.a2a_overlap_degree) "
+                             f"with parallel.a2a_overlap=1f1b: use one of the two overlaps")
+        self.a2a_waiter = waiter
 
     def set_timeline(self, timeline) -> None:
         """Record this layer's exchanges and expert chunks on `timeline` (None: stop)."""

@@ -96,6 +96,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         from .precision import DTYPES                          # taken (ZeRO-3: FSDP2's shards)
         par.zero.cast_params(DTYPES[plan.param_dtype])
     par.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
+    if plan.a2a_overlap == "1f1b":  # every MoE layer waits for its exchanges through the baton
+        from moe.aux import moe_layers
+
+        from .interleave import Baton
+        par.baton = Baton()
+        for _, layer in moe_layers(model):
+            layer.set_a2a_waiter(par.baton.wait)
     if meshes is not None:
         from .ledger import CommLedger, mesh_groups
         tied_group = {"tied": par.tied.group} if par.tied is not None else {}

@@ -39,6 +39,7 @@ class Parallelized:
     pipeline: object = None      # pipeline.PipelineRunner when pp > 1
     tied: object = None          # pipeline.TiedEmbedding when a weight spans two stages
     ledger: object = None        # ledger.CommLedger (bytes per collective kind), with meshes
+    baton: object = None         # interleave.Baton under parallel.a2a_overlap=1f1b
 
     # ------------------------------------------------------------ data layout
     @property
@@ -116,6 +117,9 @@ class Parallelized:
         all micro-batches. Then a weight tied across stages is summed over its two holders."""
         if deferred and self.grad_sync is not None:
             self.grad_sync.sync()
+        if self.baton is not None and self.plan.zero == 3:  # units held gathered for the step
+            from .data_parallel.fsdp import reshard_all
+            reshard_all(self.model)
         if self.tied is not None:
             self.tied.sum_grads(held_grad(self.tied.param, self.zero))
 

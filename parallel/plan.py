@@ -27,12 +27,13 @@ RECOMPUTE = ("none", "full")
 CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "optimizer", "params")
 PARAM_DTYPES = ("fp32", "bf16")
+A2A_OVERLAPS = ("none", "1f1b")
 def _toml(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 # settings the start-up layout line shows when they differ from the default
-_SHOWN_IF_SET = ("gpus_per_node", "recompute", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
+_SHOWN_IF_SET = ("gpus_per_node", "a2a_overlap", "recompute", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
                  "zeropp_quantize_grads")
 
 
@@ -54,6 +55,7 @@ class ParallelPlan:
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2; under ZeRO-3 FSDP2 gathers and reduces in bf16, its fp32 shards the masters: the ZeRO paper's mixed precision, K=12; needs zero 1-3 and precision=bf16; checkpoints keep the fp32 masters)"})
+    a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); same function; two micro-batches' activations live at once; needs ep > 1 and pp = 1"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
@@ -152,6 +154,7 @@ class ParallelPlan:
         if _has_moe(moe_cfg):
             _check_replicas(plan, moe_cfg)
             _check_overlap(plan, moe_cfg)
+            _check_a2a_overlap(plan, moe_cfg)
             _check_dispatch_dtype(plan, moe_cfg)
             _check_nodes(plan, moe_cfg)
         if model_cfg is not None:
@@ -527,6 +530,22 @@ def _check_node_routing(moe_cfg, n: int) -> None:
                       max_nodes=moe_cfg.max_nodes, expert_nodes=n)
     except ValueError as e:
         raise _err(f"moe.{e} (the experts span {n} nodes of parallel.gpus_per_node ranks)") from None
+
+
+def _check_a2a_overlap(p: ParallelPlan, moe_cfg) -> None:
+    if p.a2a_overlap not in A2A_OVERLAPS:
+        raise _err(f"parallel.a2a_overlap={p.a2a_overlap!r} is not supported; use one of {A2A_OVERLAPS}")
+    if p.a2a_overlap == "none":
+        return
+    for bad, why in ((p.ep == 1, "parallel.ep=1 has no expert all-to-all to hide; set parallel.ep > 1"),
+                     (p.pp > 1, f"under parallel.pp={p.pp} the pipeline schedule runs the micro-batches "
+                                f"and the combined 1F1B is not built into it yet; use parallel.pp=1"),
+                     (p.ps_servers > 0, "the parameter server runs one micro-batch at a time; set "
+                                        "parallel.ps_servers=0"),
+                     (getattr(moe_cfg, "a2a_overlap_degree", 1) > 1,
+                      "moe.a2a_overlap_degree > 1 waits for its own chunks; use one of the two overlaps")):
+        if bad:
+            raise _err(f"parallel.a2a_overlap={p.a2a_overlap}: {why} (or parallel.a2a_overlap=none)")
 
 
 def _check_overlap(p: ParallelPlan, moe_cfg) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from moe.aux import collect_aux_loss
 from moe.replay import replaying
+from parallel.interleave import run_interleaved
 
 from .distributed import barrier
 from .memory import model_state_bytes
@@ -52,6 +53,8 @@ class Plain:
                 tr.optimizer.step()
                 tr.sched.step()
                 par.update_router_bias(tr.cfg.moe.bias_update_rate)
+        if par.baton is not None:  # a2a_exposed_s: seconds this step's exchanges were waited for
+            rec.update(par.baton.take())
         if n == tr.first_step:  # what this rank holds, by device, read from the tensors
             rec["model_state_bytes"] = model_state_bytes(tr.model, par.grads(), tr.optimizer)
         if peak is not None:
@@ -64,24 +67,39 @@ class Plain:
 
     def _forward_backward(self, tr, batch, scale: float):
         """(mean task loss, mean aux loss, {layer: [RoutingStats]}) of this rank's rows, run
-        in micro-batches; the gradient reduction runs in the last one's backward."""
+        in micro-batches; the gradient reduction runs in the last one's backward. Under
+        parallel.a2a_overlap=1f1b the forward of micro-batch i+1 runs beside the backward of
+        micro-batch i (parallel/interleave.py)."""
         rows = tr.rows_per_rank
         micro = tr.task.split(batch, rows // (tr.cfg.train.micro_batch_size or rows))
-        loss_sum = aux_sum = torch.zeros((), device=tr.ctx.device)
+        n, sums = len(micro), []
         stats = {name: [] for name, _ in tr.moe}
-        for i, part in enumerate(micro):
-            tr.par.set_grad_sync(i == len(micro) - 1)
-            part, ids = (part["samples"], part["expert_ids"]) if tr.replay is not None else (part, None)
-            with replaying(tr.model, ids):  # backward inside: a recomputed forward replays too
-                loss = tr.task.loss(tr.model, part)
-                aux = collect_aux_loss(tr.model).to(loss.device)
-                ((loss + aux) * (scale / len(micro))).backward()
-            loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + aux.detach()
+
+        def forward(i):
+            part = micro[i]["samples"] if tr.replay is not None else micro[i]
+            loss = tr.task.loss(tr.model, part)
+            aux = collect_aux_loss(tr.model).to(loss.device)
+            sums.append(torch.stack([loss.detach(), aux.detach()]))
             for name, layer in tr.moe:
                 if layer.last_stats is not None:
                     stats[name].append(layer.last_stats)
+            return (loss + aux) * (scale / n)
+
+        if tr.par.baton is not None:  # parallel.a2a_overlap=1f1b: F(i+1) beside B(i)
+            tr.par.set_grad_sync(False)
+            run_interleaved(n, forward, lambda i, total: total.backward(), tr.par.baton,
+                            lambda: tr.par.set_grad_sync(True))
+        else:
+            for i in range(n):
+                tr.par.set_grad_sync(i == n - 1)
+                ids = micro[i]["expert_ids"] if tr.replay is not None else None
+                with replaying(tr.model, ids):  # backward inside: a recomputed forward replays too
+                    forward(i).backward()
         tr.par.finish_backward()
-        return loss_sum / len(micro), aux_sum / len(micro), stats
+        total = sums[0]
+        for s in sums[1:]:  # in micro-batch order, as one sum
+            total = total + s
+        return total[0] / n, total[1] / n, stats
 
     def eval_chunk(self, tr) -> tuple:
         """(rows per evaluation forward, whole chunks only)."""

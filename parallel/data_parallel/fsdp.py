@@ -60,6 +60,29 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=Non
         fully_shard(root, mesh=dp, mp_policy=mp_policy)
     if plan.zero_prefetch:
         set_prefetch(blocks, plan.zero_prefetch)
+    if plan.a2a_overlap == "1f1b":
+        hold_gathered(model)
+
+
+def hold_gathered(model) -> None:
+    """parallel.a2a_overlap=1f1b: the forward of one micro-batch runs beside the backward of
+    another, so a unit must not free its gathered parameters after either (the other may be
+    using them): each unit gathers once per step and is resharded by `reshard_all` after the
+    step's last backward (memory: the step's units stay gathered, as ZeRO-2's parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+
+
+def reshard_all(model) -> None:
+    """Free every unit's gathered parameters (after hold_gathered's step): the optimizer
+    updates the shards, so the next forward must gather again."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def set_prefetch(blocks, n: int) -> None:

@@ -168,6 +168,8 @@ def activations(w, plan, state, stage: int) -> Activations:
     rebuild = max((f for _, f in per_block.values()), default=0) if plan.recompute == "full" else 0
     chunks = plan.stages_per_rank
     flight = in_flight(plan.pp_schedule, plan.pp, plan.microbatches, stage, chunks)
+    if plan.a2a_overlap == "1f1b":  # the forward of i+1 runs while i's activations are held
+        flight = max(flight, 2)
     per_chunk = kept / chunks
     loss = 0
     if state.last_stage:

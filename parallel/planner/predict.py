@@ -11,8 +11,8 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
-from .step_time import (a2a_by_node, comm_seconds, hideable_seconds, host_seconds, node_size,
-                        stage_seconds, wire_bytes)
+from .step_time import (a2a_by_node, comm_seconds, exposed_a2a_seconds, hideable_seconds,
+                        host_seconds, node_size, stage_seconds, wire_bytes)
 
 
 @dataclass
@@ -30,6 +30,7 @@ class StagePrediction:
     step_s: float
     step_s_min: float = 0.0    # lower bound: overlappable communication hidden (step_time.py)
     a2a_nodes: dict = field(default_factory=dict)  # expert_all_to_all_{intra,inter}_node bytes
+    a2a_exposed_s: float = 0.0  # the expert all-to-all's seconds not hidden (lower bound)
 
 
 @dataclass
@@ -120,13 +121,14 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         comm_s = comm_seconds(events, plan, rank, hw)
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)
+        hidden = hideable_seconds(comm_s, plan, d, micro_count(w, plan))
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
             flops, comm_s,
             stage_seconds(flops, comm_s, out.bubble, hw),
-            stage_seconds(flops, comm_s, out.bubble, hw, hideable_seconds(comm_s, plan, d)),
-            a2a_by_node(events)))
+            stage_seconds(flops, comm_s, out.bubble, hw, hidden),
+            a2a_by_node(events), exposed_a2a_seconds(flops, comm_s, hw, hidden)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

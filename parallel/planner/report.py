@@ -135,12 +135,20 @@ def pred_dict(p) -> dict:
             "peak_gb": [s.memory["peak"] / GB for s in p.stages], "bubble": p.bubble,
             "step_s": p.step_s, "step_s_min": p.step_s_min, "tokens_per_s": p.tokens_per_s,
             "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "comm_bytes": comm_by_kind(p),
+            "a2a_s": _a2a(p)[0], "a2a_exposed_s": _a2a(p)[1],
             "ranks": [{"rank": s.rank, "model_state_bytes": s.model_state,
                        "activation_bytes": s.activation_bytes,
                        "activation_bytes_per_microbatch": s.activation_per_microbatch,
                        "in_flight_microbatches": s.in_flight, "memory_bytes": s.memory,
                        "comm_bytes": s.comm_bytes, "wire_bytes": s.wire_bytes, "flops": s.flops, "comm_s": s.comm_s,
-                       "step_s": s.step_s, "step_s_min": s.step_s_min} for s in p.stages]}
+                       "step_s": s.step_s, "step_s_min": s.step_s_min,
+                       "a2a_exposed_s": s.a2a_exposed_s} for s in p.stages]}
+
+
+def _a2a(p) -> tuple:
+    """(seconds, exposed seconds) of the expert all-to-all on the stage where it is longest."""
+    st = max(p.stages, key=lambda s: s.comm_s.get("expert_all_to_all", 0.0), default=None)
+    return (0.0, 0.0) if st is None else (st.comm_s.get("expert_all_to_all", 0.0), st.a2a_exposed_s)
 
 
 def as_json(result: dict, world: int, hw) -> dict:
@@ -170,6 +178,8 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
     comm = comm_by_kind(p)
     lines += ["", "bytes per step by kind (busiest stage), MB: "
               + (", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(comm.items())) or "none"),
+              *([f"expert all-to-all {_a2a(p)[0] * 1e3:.4g} ms a step, {_a2a(p)[1] * 1e3:.4g} ms of it "
+                 f"exposed with the overlap (busiest stage)"] if _a2a(p)[0] else []),
               f"step {p.step_s * 1e3:.4g} ms (no overlap) .. {p.step_s_min * 1e3:.4g} ms (overlap), "
               f"bubble {p.bubble:.2f}, {p.tokens_per_s:.4g} tokens/s, "
               f"{p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {_mfu(p)}"]

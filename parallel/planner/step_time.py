@@ -23,7 +23,10 @@ once per step after it. That is the upper bound (step_s), used to rank layouts.
 
 Lower bound (step_s_min): what runs beside compute in this toolkit may hide behind it --
   expert all-to-all     with moe.a2a_overlap_degree = d > 1, all but 1/d of it (the first
-                        dispatch and the last combine of each layer stay exposed)
+                        dispatch and the last combine of each layer stay exposed); with
+                        parallel.a2a_overlap=1f1b and m micro-batches, all but 1/m of it
+                        (the first forward's and the last backward's exchanges have no
+                        other micro-batch to hide behind; parallel/interleave.py)
   ZeRO-3 gathers and    FSDP2 issues them on its own streams, the next unit's (or with
   reduce-scatters       parallel.zero_prefetch the next n blocks') while this one computes
   offload host copies   zero 3 + offload=optimizer: the parameter refresh (half the copies)
@@ -82,6 +85,17 @@ def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
     return out
 
 
+def exposed_a2a_seconds(flops: float, comm_s: dict, hw: Hardware, hidden: dict) -> float:
+    """The expert all-to-all's seconds left exposed in the lower bound: what is hideable
+    hides only as far as the compute lasts (stage_seconds' max), shared in proportion."""
+    total = comm_s.get("expert_all_to_all", 0.0)
+    can = sum(hidden.values())
+    if not total or not can:
+        return total
+    t_compute = flops / (hw.tflops * 1e12)
+    return total - hidden.get("expert_all_to_all", 0.0) * min(1.0, t_compute / can)
+
+
 def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidden=None) -> float:
     """One stage's step time; hidden ({kind: seconds}, hideable_seconds) run under compute:
     none for the upper bound, hideable_seconds for the lower one."""
@@ -93,11 +107,13 @@ def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidde
     return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) + after
 
 
-def hideable_seconds(comm_s: dict, plan, overlap_degree: int) -> dict:
+def hideable_seconds(comm_s: dict, plan, overlap_degree: int, microbatches: int = 1) -> dict:
     """{kind: seconds of it that can run under compute} (see the lower bound above)."""
     out = {}
     if overlap_degree > 1 and "expert_all_to_all" in comm_s:
         out["expert_all_to_all"] = comm_s["expert_all_to_all"] * (1 - 1 / overlap_degree)
+    if plan.a2a_overlap == "1f1b" and microbatches > 1 and "expert_all_to_all" in comm_s:
+        out["expert_all_to_all"] = comm_s["expert_all_to_all"] * (1 - 1 / microbatches)
     if plan.zero == 3:
         for kind in ("zero_param_gather", "zero_grad_reduce_scatter"):
             if kind in comm_s:

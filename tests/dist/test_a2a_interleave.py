@@ -1,0 +1,126 @@
+"""parallel.a2a_overlap=1f1b (parallel/interleave.py) equals the plain micro-batch loop.
+
+Each layout trains the tiny MoE GPT for 5 AdamW steps of M micro-batches per rank (4, or 2
+where tensor parallelism needs 2 sequences per micro-batch or the rank has 2 rows), once
+with the micro-batches one after the other and once with the forward of micro-batch i+1
+beside the backward of micro-batch i (switching at every expert all-to-all). Each
+micro-batch runs the same operations in the same order either way and the backwards keep
+their order, so the runs must agree exactly: losses, gradient norms and every parameter
+after 5 steps, bit for bit (tolerance 0). The plain loop itself equals one process
+(tests/dist/test_expert_parallel.py and the others). Also checked: the baton really
+switched (the forward handed over at its exchanges) and every exchange was waited for
+through it (4 per MoE layer and micro-batch: dispatch, combine and their backward; two
+hops each under the hierarchical dispatch, plus the gates).
+
+Layouts: world 2 dp2 x ep2 under ZeRO 0/1/2/3, with bf16 and the hierarchical dispatch on
+2 declared nodes, with full recomputation; world 4 tp2 x dp2 x ep2 (ZeRO-1) and dp4 x ep2
+x etp2; world 8 dp4 x cp2 x ep4 with ZeRO-3, bf16 and the hierarchical dispatch on 2 nodes.
+"""
+import functools
+
+import pytest
+
+from moe.aux import collect_aux_loss
+from parallel.interleave import run_interleaved
+from tests.dist import dense_common as dc
+from tests.dist.harness import run_distributed
+
+pytestmark = pytest.mark.dist
+STEPS = 5
+
+
+def _train(world, spec, overlap, moe_extra, M):
+    from parallel.apply import parallelize
+    from parallel.mesh import build_meshes
+    from parallel.plan import ParallelPlan
+    model_cfg, moe_cfg = dc.configs()
+    for k, v in moe_extra.items():
+        setattr(moe_cfg, k, v)
+    plan = ParallelPlan(**spec, a2a_overlap=overlap).validate(world, model_cfg, moe_cfg, dc.B)
+    par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, build_meshes(plan), loss_fn=dc.task_loss)
+    opt = par.prepare_optimizer(dc.adamw_of(par.model))
+    out, switches = [], None
+    for step in range(STEPS):
+        x, y = dc.my_rows(par, *dc.batch(step))
+        xs, ys = x.chunk(M), y.chunk(M)
+        losses = []
+
+        def forward(i):
+            loss = dc.task_loss(par.model(xs[i]), ys[i]) + collect_aux_loss(par.model)
+            losses.append(loss.detach())
+            return loss / M
+
+        if par.baton is not None:
+            par.set_grad_sync(False)
+            run_interleaved(M, forward, lambda i, t: t.backward(), par.baton,
+                            lambda: par.set_grad_sync(True))
+        else:
+            for i in range(M):
+                par.set_grad_sync(i == M - 1)
+                forward(i).backward()
+        par.finish_backward()
+        norm = par.clip_grad_norm_(dc.CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append((sum(float(v) for v in losses), float(norm)))
+    if par.baton is not None:
+        switches = par.baton.take()
+    params = {n: _local(p).detach().clone() for n, p in par.model.named_parameters()}
+    return out, params, switches
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _worker(rank, world, layouts):
+    rows = []
+    for name, spec, moe_extra, exchanges, M in layouts:
+        plain, p_params, _ = _train(world, spec, "none", moe_extra, M)
+        inter, i_params, switches = _train(world, spec, "1f1b", moe_extra, M)
+        for step, (a, b) in enumerate(zip(plain, inter)):
+            rows.append((name, f"step {step} loss, norm", abs(a[0] - b[0]) + abs(a[1] - b[1])))
+        rows.append((name, "parameters", max(float((p_params[n] - i_params[n]).abs().max())
+                                             for n in p_params)))
+        moe_layers = 2  # dc.configs: 4 blocks, every 2nd an MoE block
+        rows.append((name, "waits through the baton", abs(switches["a2a_waits"]
+                                                          - STEPS * M * moe_layers * exchanges)))
+        rows.append((name, "no hand-over", float(switches["a2a_handed"] == 0)))
+    return rows
+
+
+def _check(world, layouts, timeout):
+    results = run_distributed(functools.partial(_worker, layouts=layouts), world, timeout=timeout)
+    failures = [f"rank {r}: {name}: {metric} = {v:.3g}" for r, rows in enumerate(results)
+                for name, metric, v in rows if v != 0]
+    assert not failures, "\n".join(failures)
+    assert all(len(rows) == len(layouts) * (STEPS + 3) for rows in results)
+
+
+HIER = {"dispatch": "hierarchical"}
+# dispatch + combine + their backwards; hierarchical: two hops each way for the rows, one
+# exchange of the gates (and its backward) and of the index (forward only, no autograd)
+FLAT_X, HIER_X = 4, 10
+W2 = [("dp2 ep2", {"dp": 2, "ep": 2}, {}, FLAT_X, 4),
+      ("dp2 ep2 zero1", {"dp": 2, "ep": 2, "zero": 1}, {}, FLAT_X, 4),
+      ("dp2 ep2 zero2", {"dp": 2, "ep": 2, "zero": 2}, {}, FLAT_X, 4),
+      ("dp2 ep2 zero3", {"dp": 2, "ep": 2, "zero": 3}, {}, FLAT_X, 4),
+      ("dp2 ep2 bf16 hierarchical on 2 nodes", {"dp": 2, "ep": 2, "precision": "bf16",
+                                                "gpus_per_node": 1}, HIER, HIER_X, 4),
+      ("dp2 ep2 recompute full", {"dp": 2, "ep": 2, "recompute": "full"}, {}, FLAT_X + 2, 4)]
+W4 = [("tp2 dp2 ep2 zero1", {"tp": 2, "dp": 2, "ep": 2, "zero": 1}, {}, FLAT_X, 2),
+      ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2}, {}, FLAT_X, 2)]
+W8 = [("dp4 cp2 ep4 zero3 bf16 hierarchical on 2 nodes",
+       {"dp": 4, "cp": 2, "ep": 4, "zero": 3, "precision": "bf16", "gpus_per_node": 4}, HIER, HIER_X, 2)]
+
+
+def test_interleaved_micro_batches_equal_the_plain_loop_world2():
+    _check(2, W2, timeout=400)
+
+
+def test_interleaved_micro_batches_equal_the_plain_loop_world4():
+    _check(4, W4, timeout=400)
+
+
+def test_interleaved_micro_batches_equal_the_plain_loop_world8():
+    _check(8, W8, timeout=500)
