@@ -139,6 +139,12 @@ def begin_save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(ctx)
+    # this rank's own files first: rank 0 hashes the directory once its DCP future is done,
+    # which needs every rank's DCP writes, each begun after that rank's files were written
+    write_rank_files(tmp, ctx.rank)
+    if ctx.is_main:
+        state = dict(trainer_state, step=step, world_size=ctx.world_size)
+        _write_synced(tmp / "trainer.json", json.dumps(state, indent=1))
     future = None
     with _quiet_single_process(ctx):
         if not background:
@@ -146,17 +152,16 @@ def begin_save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict,
         else:
             future = dcp.async_save(layout_state(par, optimizer), checkpoint_id=str(tmp),
                                     process_group=group, no_dist=not ctx.distributed)
-    rng_file = tmp / f"rng_rank{ctx.rank}.pt"
+    if ctx.is_main and future is not None:  # hash off the main thread too
+        future = _then(future, lambda: _manifest(tmp))
+    return PendingSave(step, tmp, final, future)
+
+
+def write_rank_files(tmp: Path, rank: int) -> None:
+    """The files this rank adds to a checkpoint besides DCP's: its RNG states, synced."""
+    rng_file = tmp / f"rng_rank{rank}.pt"
     torch.save(_rng_state(), rng_file)
     _fsync_file(rng_file)
-    if ctx.is_main:
-        state = dict(trainer_state, step=step, world_size=ctx.world_size)
-        _write_synced(tmp / "trainer.json", json.dumps(state, indent=1))
-        if future is not None:
-            # rank 0's DCP future ends after every rank's files (its finish step gathers their
-            # results) and the RNG files precede the save: hash them all off the main thread too
-            future = _then(future, lambda: _manifest(tmp))
-    return PendingSave(step, tmp, final, future)
 
 
 def _then(future, fn):
