@@ -161,6 +161,7 @@ class MoELayer(nn.Module):
         self.dispatch = dispatch
         self.timeline = None  # set_timeline: a moe/profiling/timeline.py Timeline, or None
         self.a2a_waiter = None  # set_a2a_waiter: waits for the exchanges (parallel/interleave.py)
+        self.experts_release = None  # set_experts_release: after the chunks' experts (ZeRO-3)
         self.d_model, self.d_ff = d_model, d_ff
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, config, init_std)
@@ -299,7 +300,8 @@ class MoELayer(nn.Module):
         with record_function("moe.overlapped_experts"):
             y_TD, meta, shared_TD = overlapped_experts(
                 self.dispatcher, x_TD, routing, self._run_experts, self.a2a_overlap_degree,
-                out_dtype, in_flight=shared, timeline=self.timeline, wires=wires)
+                out_dtype, in_flight=shared, timeline=self.timeline, wires=wires,
+                release=self.experts_release)
         return (y_TD if shared_TD is None else y_TD + shared_TD), meta
 
     def set_dropless_eval(self) -> None:
@@ -310,6 +312,13 @@ class MoELayer(nn.Module):
                              "'expert_choice') picks a fixed number of tokens per expert")
         self.router.config = dataclasses.replace(self.router.config, eval_capacity_factor=None,
                                                  expert_capacity=None)
+
+    def set_experts_release(self, release) -> None:
+        """release(): called when the chunked overlap (a2a_overlap_degree > 1) is done with
+        the experts, once after the forward's chunks and once after the backward's, so their
+        gathered weights can be held across the chunks and freed then (ZeRO-3 gathers them once
+        per layer and direction: parallel/data_parallel/fsdp.py). None: nothing to do."""
+        self.experts_release = release
 
     def set_a2a_waiter(self, waiter) -> None:
         """Issue this layer's expert all-to-alls (dispatch, combine, and their backward)

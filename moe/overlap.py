@@ -124,8 +124,23 @@ def _send_rows(table_PPW: torch.Tensor, rank: int, degree: int, c: int) -> torch
     return torch.arange(total) + shift
 
 
+class _AfterBackward(torch.autograd.Function):
+    """Identity whose backward calls fn() first: on the rows every chunk is cut from, it runs
+    once all chunks' expert backward is done."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
 def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_dtype,
-                       in_flight=None, timeline=None, wires=(None, None)):
+                       in_flight=None, timeline=None, wires=(None, None), release=None):
     """-> (y_TD, meta, in_flight()'s result): the routed experts' combined output for x_TD, the dispatch cut into
     `degree` chunks whose exchanges overlap the experts of the previous chunk.
 
@@ -133,8 +148,12 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
     (extend: ExpertBank.forward's; replica weights are fetched once, by the first chunk).
     in_flight() runs while the first dispatch is in flight (the layer's shared experts) and
     its result is returned third. timeline: a moe/profiling/timeline.py Timeline, or None.
-    wires: the (dispatch, combine) formats of the rows on the wire (moe/wire.py)."""
+    wires: the (dispatch, combine) formats of the rows on the wire (moe/wire.py).
+    release(): called once the experts are done with every chunk, in forward and in backward
+    (ZeRO-3 holds their gathered weights across the chunks, then frees them: parallel/
+    data_parallel/fsdp.py), or None."""
     sp = dispatcher.plan(x_TD, routing)
+    x_AD = sp.x_AD if release is None or not sp.x_AD.requires_grad else _AfterBackward.apply(sp.x_AD, release)
     group, r = dispatcher.group, dispatcher.rank
     tables = chunk_tables(sp.table_PPW, degree)
     plans = [dispatcher.exchange_plan(t, sp.placement) for t in tables]
@@ -151,7 +170,7 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
 
     def issue(c):
         ex = plans[c]
-        return _start(sp.x_AD.index_select(0, rows[c]), ex.recv_splits, ex.send_splits, group,
+        return _start(x_AD.index_select(0, rows[c]), ex.recv_splits, ex.send_splits, group,
                       f"dispatch {c}", timeline, wires[0])
 
     flying, extra = {0: issue(0)}, None
@@ -167,6 +186,8 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
         y_ND = _span(timeline, f"experts {c}", lambda: run_experts(x_ND[perm], list(ex.counts_L), extend))
         returning.append(_start(y_ND[unperm], ex.send_splits, ex.recv_splits, group,
                                 f"combine {c}", timeline, wires[1]))
+    if release is not None:
+        release()
     y_parts = [_finish(returning[c], plans[c].send_splits, plans[c].recv_splits, group)
                for c in range(degree)]
     order_A = torch.cat(rows)

@@ -553,10 +553,6 @@ def _check_overlap(p: ParallelPlan, moe_cfg) -> None:
     if d > 1 and p.ep == 1:
         raise _err(f"moe.a2a_overlap_degree={d} overlaps the expert-parallel all-to-all, but "
                    f"parallel.ep=1 has none; set parallel.ep > 1 or moe.a2a_overlap_degree=1")
-    if d > 1 and p.zero == 3:
-        raise _err(f"moe.a2a_overlap_degree={d} with parallel.zero=3: the experts would run once "
-                   f"per chunk and FSDP2 would gather their weights {d} times per layer; use "
-                   f"zero <= 2 or moe.a2a_overlap_degree=1")
 
 
 def _check_model(p: ParallelPlan, m, moe_cfg) -> None:

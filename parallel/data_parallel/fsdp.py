@@ -62,6 +62,19 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=Non
         set_prefetch(blocks, plan.zero_prefetch)
     if plan.a2a_overlap == "1f1b":
         hold_gathered(model)
+    for mod in model.modules():
+        if isinstance(mod, MoELayer) and mod.a2a_overlap_degree > 1 and plan.a2a_overlap != "1f1b":
+            _gather_once_per_layer(mod)
+
+
+def _gather_once_per_layer(layer) -> None:
+    """moe.a2a_overlap_degree = d > 1 runs the experts once per chunk: FSDP2 would gather
+    them d times per layer in forward and again in backward. Hold them gathered across the
+    chunks and free them when the layer is done with them (MoELayer.set_experts_release)."""
+    unit = layer.experts
+    unit.set_reshard_after_forward(False, recurse=False)
+    unit.set_reshard_after_backward(False, recurse=False)
+    layer.set_experts_release(unit.reshard)
 
 
 def hold_gathered(model) -> None:

@@ -19,6 +19,7 @@ x etp2; world 8 dp4 x cp2 x ep4 with ZeRO-3, bf16 and the hierarchical dispatch 
 import functools
 
 import pytest
+import torch
 
 from moe.aux import collect_aux_loss
 from parallel.interleave import run_interleaved
@@ -124,3 +125,36 @@ def test_interleaved_micro_batches_equal_the_plain_loop_world4():
 
 def test_interleaved_micro_batches_equal_the_plain_loop_world8():
     _check(8, W8, timeout=500)
+
+
+# ---- the in-layer overlap (moe.a2a_overlap_degree) under ZeRO-3 --------------------------
+# FSDP2 would gather the experts once per chunk; parallel/data_parallel/fsdp.py holds them
+# gathered across a layer's chunks and frees them after the last (forward and backward). The
+# run equals one process (fp64, tests/tolerance.py rule 5: 1e-5 relative on loss and norm)
+# and gathers exactly the bytes of the unchunked run.
+Z3_RTOL = 1e-5
+
+
+def _zero3_worker(rank, world):
+    import copy
+    model_cfg, moe_cfg = dc.configs()
+    ref = dc.reference_run(model_cfg, copy.deepcopy(moe_cfg), dtype=torch.float64)
+    rows, gathers = [], {}
+    for d in (1, 2, 4):
+        moe_cfg.a2a_overlap_degree = d
+        comms = []
+        got = dc.train_layout(world, {"dp": 4, "ep": 2, "zero": 3}, model_cfg, moe_cfg,
+                              dtype=torch.float64, inspect=lambda *a: comms.append(a[-1]))
+        gathers[d] = comms[-1]["zero_param_gather"]
+        for step, ((l, g), (rl, rg)) in enumerate(zip(got, ref)):
+            rows.append((f"d={d}", f"step {step}", max(abs(l - rl) / abs(rl), abs(g - rg) / abs(rg)) / Z3_RTOL))
+    rows += [(f"d={d}", "gather bytes - d=1's", float(abs(gathers[d] - gathers[1]))) for d in (2, 4)]
+    return rows
+
+
+def test_chunked_overlap_under_zero3_equals_one_process_and_gathers_once():
+    results = run_distributed(_zero3_worker, 4, timeout=400)
+    failures = [f"rank {r}: {case} {metric} = {v:.3g}" for r, rows in enumerate(results)
+                for case, metric, v in rows if v > (1 if "step" in metric else 0)]
+    assert not failures, "\n".join(failures)
+    assert all(len(rows) == 3 * dc.STEPS + 2 for rows in results)
