@@ -92,6 +92,24 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+_POSITIVE = ("world", "top", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw", "flops",
+             "peak_flops", "host_bw")
+
+
+def _bad_numbers(args) -> str:
+    """One line naming the first option whose number cannot be (a count or a rate of 0 or
+    less, an imbalance below 1, a negative nodes-per-token), else ''."""
+    for name in _POSITIVE:
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            return f"--{name.replace('_', '-')} {v:g} must be > 0"
+    if args.imbalance < 1:
+        return f"--imbalance {args.imbalance:g} must be >= 1 (rows of the busiest rank / the mean)"
+    if args.nodes_per_token < 0:
+        return f"--nodes-per-token {args.nodes_per_token:g} must be >= 0 (0 = from the routing)"
+    return ""
+
+
 def hardware(args) -> Hardware:
     base = preset(args.hw, args.gpus_per_node) if args.hw else Hardware(gpus_per_node=args.gpus_per_node)
     return with_overrides(base, gpu_mem_gb=args.gpu_mem, intra_bw_gbs=args.intra_bw,
@@ -105,6 +123,10 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unrecognized arguments {' '.join(bad)} (overrides look like "
               f"section.field=value)", file=sys.stderr)
+        return 2
+    wrong = _bad_numbers(args)
+    if wrong:
+        print(f"error: {wrong}", file=sys.stderr)
         return 2
     from trainer.config import ConfigError, check_sections, load_config
     try:
@@ -154,7 +176,12 @@ def check_layout(args, cfg, w, hw, costs, head) -> int:
         plan = w.validate(with_default_layers(plan, w.model_cfg.n_layers), args.world)
         pred = predict(w, plan, hw, costs, cache)
     except BUILD_ERRORS as e:
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        line = str(e).strip().splitlines()[0]
+        if "but the world size is" in line:  # the planner's fix is --world, not torchrun
+            line = (f"--layout {args.layout!r} does not use the {args.world} GPUs of --world: "
+                    f"{line.split(';')[0]}; pass --world with that many GPUs, or change the "
+                    f"layout's words (dpN tpN ppN cpN)")
+        print(f"error: {line}", file=sys.stderr)
         return 2
 
     def attempt(candidate):

@@ -237,7 +237,7 @@ def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
     if p.dp == -1:
         if world_size % rest:
             raise _err(f"parallel.{names} = {degrees} = {rest} does not divide the world size "
-                       f"{world_size}; start a multiple of {rest} processes, or choose tp and pp "
+                       f"{world_size}; start a multiple of {rest} processes, or choose {names.replace('*', ', ')} "
                        f"whose product divides {world_size} ({_fitting(p, world_size)})")
         return world_size // rest
     if p.dp * rest != world_size:
@@ -253,12 +253,12 @@ def _resolve_dp(p: ParallelPlan, world_size: int) -> int:
 
 
 def _fitting(p: ParallelPlan, world_size: int) -> str:
-    """The largest tp, pp not above the plan's whose product divides the world size
-    (pp is lowered first: tensor parallelism is kept where it fits)."""
-    fits = [(t, q) for t in range(1, p.tp + 1) for q in range(1, p.pp + 1)
-            if world_size % (t * q * p.cp) == 0] or [(1, 1)]
-    t, q = max(fits, key=lambda tq: (tq[0] * tq[1], tq[0]))
-    return f"parallel.tp={t} parallel.pp={q}"
+    """The largest tp, pp (and cp) not above the plan's whose product divides the world size
+    (pp and cp are lowered first: tensor parallelism is kept where it fits)."""
+    fits = [(t, q, c) for t in range(1, p.tp + 1) for q in range(1, p.pp + 1)
+            for c in range(1, p.cp + 1) if world_size % (t * q * c) == 0] or [(1, 1, 1)]
+    t, q, c = max(fits, key=lambda f: (f[0] * f[1] * f[2], f[0], f[2]))
+    return f"parallel.tp={t} parallel.pp={q}" + (f" parallel.cp={c}" if p.cp > 1 else "")
 
 
 def _check_ep(p: ParallelPlan) -> None:

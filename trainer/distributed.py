@@ -38,7 +38,8 @@ def env_rank() -> int:
 
 def choose_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device='cuda' but CUDA is not available; use run.device='auto' or 'cpu'")
+        from .config import ConfigError  # a config problem: one line, no traceback
+        raise ConfigError("run.device='cuda' but CUDA is not available; use run.device='auto' or 'cpu'")
     if kind == "cuda" or (kind == "auto" and default_device_type() == "cuda"):
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "

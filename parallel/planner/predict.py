@@ -108,6 +108,15 @@ class StateCache:
         return where, sorted(i for st in stages for i in layers[st])
 
 
+def _gb(nbytes: int, limit: int) -> str:
+    """nbytes in GB with enough digits to show it above `limit` (80.00 would hide why)."""
+    for digits in range(2, 10):
+        text = f"{nbytes / 1e9:.{digits}f}"
+        if float(text) * 1e9 > limit:
+            return text
+    return f"{nbytes / 1e9:.9f}"
+
+
 def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     """Predict a validated plan; raises what parallelize raises for a layout it cannot build."""
     out = Prediction(plan, bubble=bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches,
@@ -140,6 +149,6 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     if out.peak_bytes > hw.gpu_mem_bytes:
         worst = max(out.stages, key=lambda s: s.memory["peak"])
         out.fits = False
-        out.reason = (f"peak {out.peak_bytes / 1e9:.2f} GB on rank {worst.rank} > "
+        out.reason = (f"peak {_gb(out.peak_bytes, hw.gpu_mem_bytes)} GB on rank {worst.rank} > "
                       f"--gpu-mem {hw.gpu_mem_gb:g} GB")
     return out
