@@ -36,9 +36,13 @@ def read_hf_config(path: str) -> dict:
                          f"configs/models/hf/mixtral_8x7b.json")
     try:
         with open(file) as f:
-            return json.load(f)
+            out = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"hf.config={path!r} is not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"hf.config={path!r} holds a JSON {type(out).__name__}, not the object of "
+                         f"a transformers config.json")
+    return out
 
 
 def gpt_sections(hf: dict, where: str = "hf.config") -> dict:

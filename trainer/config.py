@@ -204,6 +204,9 @@ def _hf_sizes(value: str) -> dict:
         return gpt_sections(read_hf_config(value), f"hf.config={value!r}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    except KeyError as e:  # a key every config.json of the family has
+        raise ConfigError(f"hf.config={value!r} has no {e.args[0]!r}, which its model_type's "
+                          f"config.json always holds; use the model's complete config.json") from None
 
 
 def to_dict(cfg: Config) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moe.aux import moe_layers
 
-from .config import ConfigError, check_sections, load_config
+from .config import ConfigError, check_sections, load_config, to_dict
 from .model import build_one_process, task_arch
 
 
@@ -54,6 +54,11 @@ def load_run(run_dir, step=None, overrides=()) -> LoadedRun:
         raise ConfigError("moe.router='expert_choice' chooses tokens per expert over a whole "
                           "sequence, which no causal decoding or dropless inference can follow; "
                           "inference needs a token-choice model")
+    saved = checkpoint.read_trainer_state(ckpt).get("config", {})
+    diffs = checkpoint.structural_diff(saved, to_dict(cfg)) if saved else []
+    if diffs:  # the checkpoint's tensors have the run's shapes
+        raise ConfigError(f"{'; '.join(diffs)}: the checkpoint {ckpt} was trained with the first "
+                          f"value and these fields set tensor shapes; drop the override")
     device = choose_device(cfg.run.device, 0)
     par = build_one_process(cfg, device)
     checkpoint.load_model_weights(ckpt, par)

@@ -75,6 +75,10 @@ def test_generate_cache_equals_no_cache_seed_repeats_and_bad_input(base):
                         ((run_dir, "--prompt", "x", "--top-p", 0), "--top-p=0")):
         code, _, err = cli("generate", *argv)
         assert code == 2 and err.count("\n") == 1 and words in err, (argv, err)
+    # a shape-changing override: one line naming the field (was a DCP size mismatch traceback)
+    code, _, err = cli("evaluate", run_dir, "model.d_model=64")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "model.d_model: 32 -> 64: the checkpoint" in err and "drop the override" in err, err
 
 
 def test_evaluate_matches_the_runs_val_loss_and_counts_bytes(base, tmp_path):

@@ -48,3 +48,13 @@ def test_cuda_without_cuda_is_a_config_error(monkeypatch):
 def test_a_peak_just_over_the_memory_shows_why():
     assert _gb(80_000_001_000, 80_000_000_000) == "80.000001"   # 80.00 would read as equal
     assert _gb(95_240_000_000, 80_000_000_000) == "95.24"
+
+
+def test_hf_config_that_is_not_an_object_or_lacks_a_key(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "short.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"holds a JSON list, not the object of a transformers config.json"):
+        load_config(None, [f"hf.config={tmp_path / 'list.json'}"])
+    with pytest.raises(ConfigError, match=r"has no 'num_attention_heads', which its model_type's "
+                                          r"config.json always holds"):
+        load_config(None, [f"hf.config={tmp_path / 'short.json'}"])
