@@ -46,9 +46,9 @@ def run(cfg) -> int:
         ok = True  # every rank stops at the same step: the ordinary (barrier) teardown is safe
         raise
     finally:
-        if beat is not None:
+        shutdown(ctx, ok)  # the teardown barrier with the heartbeat still beating:
+        if beat is not None:  # a peer still closing files must not see this rank as hung
             beat.stop()
-        shutdown(ctx, ok)
 
 
 def _heartbeat(cfg, ctx):

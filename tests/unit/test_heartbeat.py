@@ -6,7 +6,11 @@ heartbeats, the reaction recorded instead of exiting.
   slow checkpoint save, evaluation or first-step compile looks like to the detector.
 - A rank whose beats stop (its thread halted: a SIGSTOPped process) is named, with its host and
   pid, within the timeout plus one beat interval by the rank watching it; the other live rank
-  reads the same line from the store and reacts too.
+  reads the same line from the store and reacts too; the process it would kill is the one
+  named (pid, namespace and start time), never the reader's own watched rank.
+- A rank that finished (stop(): marked done) is never reported, however long its peers take.
+- Store errors are said and retried; after STORE_RETRIES in a row detection says it is off.
+- may_kill: only this host's process with the posted namespace and start time.
 """
 import os
 import socket
@@ -15,9 +19,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.heartbeat import HANG_EXIT, Heartbeat, silent_rank
+from trainer.heartbeat import HANG_EXIT, STORE_RETRIES, Heartbeat, identity, may_kill, silent_rank
 
 TIMEOUT = 0.6
+
+
+def _freeze(beat):
+    """What SIGSTOP does to a rank's heartbeat: the thread halts, nothing is marked done."""
+    beat._stop.set()
+    beat._thread.join()
 
 
 def _ranks(store, world, seen):
@@ -47,7 +57,7 @@ def test_a_busy_main_thread_trips_nothing():
 def test_a_stopped_rank_is_named_by_its_watcher_and_every_live_rank_reacts():
     seen = []
     beats = _ranks(dist.HashStore(), 3, seen)
-    beats[1].stop()                      # rank 1 frozen: its counter no longer moves
+    _freeze(beats[1])                    # rank 1 frozen: its counter no longer moves
     t0 = time.monotonic()
     while len(seen) < 2 and time.monotonic() - t0 < 10 * TIMEOUT:
         time.sleep(0.02)
@@ -66,3 +76,66 @@ def test_a_stopped_rank_is_named_by_its_watcher_and_every_live_rank_reacts():
 def test_silent_rank_of_other_lines():
     assert silent_rank("error on rank 1: boom") is None
     assert silent_rank("hang: rank 7 (host n12, pid 4242) has not answered") == ("n12", 4242)
+
+
+def test_the_rank_to_kill_is_the_one_named():
+    seen = []
+    beats = _ranks(dist.HashStore(), 3, seen)
+    _freeze(beats[1])
+    t0 = time.monotonic()
+    while len(seen) < 2 and time.monotonic() - t0 < 10 * TIMEOUT:
+        time.sleep(0.02)
+    for b in beats:
+        b.stop()
+    # rank 2 watches rank 0, but the post names rank 1: both would kill rank 1's process
+    assert beats[0].hung_rank == beats[2].hung_rank == 1
+    host, pid, ident = beats[2].silent_who()
+    assert (host, pid) == (socket.gethostname(), os.getpid()) and ident == identity(os.getpid())
+
+
+def test_a_finished_rank_is_never_reported():
+    seen = []
+    beats = _ranks(dist.HashStore(), 3, seen)
+    beats[1].stop()                      # finished (the teardown barrier passed), marked done
+    time.sleep(4 * TIMEOUT)
+    for b in beats:
+        b.stop()
+    assert seen == []
+
+
+class _FailingStore:
+    """A store whose calls fail after `ok` of them (a rendezvous host that went away)."""
+
+    def __init__(self, ok):
+        self.inner, self.ok = dist.HashStore(), ok
+
+    def __getattr__(self, name):
+        def call(*a, **k):
+            self.ok -= 1
+            if self.ok < 0:
+                raise RuntimeError("Connection reset by peer")
+            return getattr(self.inner, name)(*a, **k)
+        return call
+
+
+def test_store_errors_are_said_retried_then_detection_says_it_is_off(capsys):
+    beat = Heartbeat(_FailingStore(ok=4), 0, 2, TIMEOUT, act=lambda line: None).start()
+    beat._thread.join(timeout=(STORE_RETRIES + 3) * beat.interval + 2)
+    assert not beat._thread.is_alive()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == STORE_RETRIES, err
+    assert all("hang detection could not reach the rendezvous store (RuntimeError: Connection "
+               "reset by peer)" in line for line in err), err
+    assert err[0].endswith("retrying") and "hang detection is OFF for the rest of this run" in err[-1]
+
+
+def test_may_kill_only_the_same_process_on_this_host():
+    me = os.getpid()
+    assert identity(me) is not None
+    assert not may_kill(None)
+    assert not may_kill((socket.gethostname(), me, identity(me)))        # never itself
+    parent = os.getppid()
+    assert may_kill((socket.gethostname(), parent, identity(parent)))
+    assert not may_kill((socket.gethostname(), parent, "1:2"))           # another namespace/start
+    assert not may_kill(("another-host", parent, identity(parent)))
+    assert not may_kill((socket.gethostname(), parent, "-"))             # identity unknown
