@@ -60,6 +60,24 @@ from tests.dist.harness import run_distributed  # noqa: E402
 MODES = ("fp32", "bf16", "fp8", "auto")  # auto under bf16 autocast
 
 
+def _timed(layer, x, ledger, cfg, dev):
+    """(the last output, median seconds of forward + backward over the measured iterations);
+    the ledger holds the last iteration's bytes (each iteration takes the previous ones)."""
+    times = []
+    for it in range(cfg["warmup"] + cfg["iters"]):
+        ledger.take(), ledger.take_a2a_nodes()
+        dist.barrier()
+        t0 = time.perf_counter()
+        with ledger.recording(), torch.autocast(dev.type, dtype=torch.bfloat16):
+            y = layer(x)
+            y.float().square().mean().backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if it >= cfg["warmup"]:
+            times.append(time.perf_counter() - t0)
+    return y, statistics.median(times)
+
+
 def _worker(rank, world, cfg):
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
@@ -72,20 +90,9 @@ def _worker(rank, world, cfg):
                          dispatch_dtype=mode).to(dev)
         apply_expert_parallel(layer, dist.group.WORLD)
         ledger = CommLedger({"ep": dist.group.WORLD})
-        times, nbytes = [], None
-        for it in range(cfg["warmup"] + cfg["iters"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            with ledger.recording(), torch.autocast(dev.type, dtype=torch.bfloat16):
-                y = layer(x)
-                y.float().square().mean().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            if it >= cfg["warmup"]:
-                times.append(time.perf_counter() - t0)
-            nbytes = ledger.take().get("expert_all_to_all", 0)
+        y, step = _timed(layer, x, ledger, cfg, dev)
         ys[mode] = y.detach().float()
-        out[mode] = dict(bytes=nbytes, step=statistics.median(times))
+        out[mode] = dict(bytes=ledger.take().get("expert_all_to_all", 0), step=step)
     for mode in MODES:
         out[mode]["err"] = float((ys[mode] - ys["bf16"]).norm() / ys["bf16"].norm())
     return out
@@ -109,24 +116,13 @@ def _node_worker(rank, world, cfg):
                          dispatch_dtype=wire, dispatch=dispatch, max_nodes=M or None).to(dev)
         apply_expert_parallel(layer, dist.group.WORLD, ranks_per_node=1)
         ledger = CommLedger({"ep": dist.group.WORLD}, ranks_per_node=1)
-        times = []
-        for it in range(cfg["warmup"] + cfg["iters"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            with ledger.recording(), torch.autocast(dev.type, dtype=torch.bfloat16):
-                y = layer(x)
-                y.float().square().mean().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            if it >= cfg["warmup"]:
-                times.append(time.perf_counter() - t0)
-            split = ledger.take_a2a_nodes().get("expert_all_to_all", {})
+        y, step = _timed(layer, x, ledger, cfg, dev)
+        split = ledger.take_a2a_nodes().get("expert_all_to_all", {})
         ids = layer.router(x.detach().reshape(-1, 16, cfg["D"]), None).expert_A.view(-1, cfg["K"])
         node_TK = ids // (cfg["E"] // nodes.num_nodes)
         nu = float(sum(len(set(r)) for r in node_TK.tolist())) / node_TK.shape[0]
         ys[mode] = y.detach().float()
-        out[mode] = dict(inter=sum(split.get("inter_node", {}).values()), nu=nu,
-                         step=statistics.median(times))
+        out[mode] = dict(inter=sum(split.get("inter_node", {}).values()), nu=nu, step=step)
     base = ys[("flat", "bf16", 0)]
     for mode in NODE_MODES:
         out[mode]["err"] = float((ys[mode] - base).norm() / base.norm())
