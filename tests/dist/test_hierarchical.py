@@ -157,6 +157,7 @@ W4_CASES = [(2, "dropless", {}), (1, "dropless", {}), (2, "capacity 1.0", {"capa
 W8_CASES = [(4, "dropless", {}), (2, "dropless", {}), (2, "max_nodes 2", {"max_nodes": 2, "top_k": 4})]
 
 
+@pytest.mark.lowp  # its bf16 and fp8 cases: run again under other CPU kernels (.ci/run)
 def test_hierarchical_dispatch_world4_equals_one_process():
     _check_layer(4, W4_CASES, timeout=240)
 
