@@ -381,7 +381,11 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
     from .comm import micro_count
     out = []
     zero_variants = variants(s, zeros, offloads, zeropp, gpus_per_node)
-    lean = min(zero_variants, key=lambda v: (-v["zero"], -OFFLOAD_DEPTH.index(v["offload"])))
+    depth = lambda v: (v["zero"], OFFLOAD_DEPTH.index(v["offload"]))  # noqa: E731
+    deepest = max(depth(v) for v in zero_variants)
+    # the highest ZeRO stage and deepest offload, each ZeRO++ form of it (hpZ, quantization:
+    # their bounds differ, and the group stays while any of them may fit)
+    leans = [v for v in zero_variants if depth(v) == deepest]
     for sch, m in pipelines(s["pp"]):
         plan = dataclasses.replace(base, **s, pp_schedule=sch, microbatches=m, pp_stages_per_rank=0,
                                    zero=max(zeros), recompute="none")
@@ -402,8 +406,9 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
         stages = _stage_blocks(w, plan)
         mc = micro_count(w, plan)
         least = _least_factors(zero_variants, mc)
-        leanest = dataclasses.replace(plan, **lean, recompute="full" if "full" in recomputes else "none")
-        if memory_bound(w, leanest, sizes) > hw.gpu_mem_bytes:
+        rc = "full" if "full" in recomputes else "none"
+        if min(memory_bound(w, dataclasses.replace(plan, **v, recompute=rc), sizes)
+               for v in leans) > hw.gpu_mem_bytes:
             out.append(None)
             continue
         out.append((variant_bound(w, plan, costs, hw, sizes, stages, least) * SLACK, (s, sch, m, stages)))

@@ -63,3 +63,24 @@ def test_a_lower_memory_keeps_only_layouts_that_fit(gshard):
     fast = search(w, cfg.parallel, 16, hw, costs, StateCache(w.build_model), top=5, cps=(1, 2), **KW)
     assert fast["fits"] and all(p.peak_bytes <= 20e9 for p in fast["fits"])
     assert fast["bounded_overflow"] + fast["overflow_groups"] > 0
+
+
+def test_a_group_stays_while_any_of_its_leanest_variants_may_fit(gshard, monkeypatch):
+    """The group prune bounds a structure's memory by its leanest layouts: the highest ZeRO
+    stage and deepest offload in every ZeRO++ form (hpZ, quantized). Were one of them taken
+    for all (it was: the first), a group whose hpZ variant fits but whose plain one does not
+    would be dropped with a layout that fits (issue 46): here only hpZ "fits"."""
+    from parallel.planner import search as search_mod
+    cfg, w, costs = gshard
+    s = dict(dp=16, tp=1, tp_mode="1d", tp_depth=1, pp=1, cp=1, cp_mode="ring", ep=8, etp=1)
+    seen = []
+
+    def bound(w_, plan, sizes):
+        seen.append(plan.zeropp_hpz)
+        return 1.0 if plan.zeropp_hpz else 1e30
+    monkeypatch.setattr(search_mod, "memory_bound", bound)
+    hw = dataclasses.replace(preset("h100"), gpu_mem_gb=1.0)
+    groups = search_mod._groups(w, cfg.parallel, s, 16, hw, costs, state_bytes(w.build_model()), {},
+                                (3,), ("none", "full"), ("none",), (False, True), 8)
+    assert 8 in seen and 0 in seen        # hpZ over the node's 8 ranks, and without it
+    assert groups and all(g is not None for g in groups), groups
