@@ -36,7 +36,8 @@ FP8_DISPATCH = ["moe.dispatch_dtype=fp8"]
 # token t to experts 2t, 2t+1 (mod 4), one node, so the measured nodes per token is 1 (what
 # `python -m trainer.profile ... --nodes 2` reports); the planner is given it (--nodes-per-token)
 HIER = ["moe.dispatch=hierarchical"]
-NODES_PER_TOKEN = {tuple(HIER): 1.0}
+HIER_FP8 = HIER + ["moe.dispatch_dtype=fp8"]
+NODES_PER_TOKEN = {tuple(HIER): 1.0, tuple(HIER_FP8): 1.0}
 LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep are inside the
     # zero-1 and composed layouts (same all-reduce and all-to-all terms), to keep the launches few
     (1, {}),
@@ -75,6 +76,7 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # expert_all_to_all_intra_node / _inter_node): the flat dispatch and the hierarchical one
     (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}),
     (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}, HIER),
+    (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}, HIER_FP8),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 # Layouts whose peak is printed, not asserted, and why. dp2 x ep2 in bf16: the planner's bf16
@@ -127,7 +129,8 @@ def test_planner_predicts_measured_runs(tmp_path):
     measured = _measure_all(jobs, tmp_path)
     for (world, spec, *extra), (_, args), recs in zip(LAYOUTS, jobs, measured):
         name = f"w{world} " + ({tuple(SWITCH): "switch ", tuple(MUON): "muon ",
-                                 tuple(FP8_DISPATCH): "fp8 dispatch ", tuple(HIER): "hierarchical "}[tuple(extra[0])]
+                                 tuple(FP8_DISPATCH): "fp8 dispatch ", tuple(HIER): "hierarchical ",
+                                 tuple(HIER_FP8): "hierarchical fp8 "}[tuple(extra[0])]
                                if extra else "") + \
             (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
         pred = _predict(world, args, NODES_PER_TOKEN.get(tuple(extra[0]) if extra else (), 0.0))
