@@ -71,10 +71,8 @@ def _gather_once_per_layer(layer) -> None:
     """moe.a2a_overlap_degree = d > 1 runs the experts once per chunk: FSDP2 would gather
     them d times per layer in forward and again in backward. Hold them gathered across the
     chunks and free them when the layer is done with them (MoELayer.set_experts_release)."""
-    unit = layer.experts
-    unit.set_reshard_after_forward(False, recurse=False)
-    unit.set_reshard_after_backward(False, recurse=False)
-    layer.set_experts_release(unit.reshard)
+    _hold(layer.experts)
+    layer.set_experts_release(layer.experts.reshard)
 
 
 def hold_gathered(model) -> None:
@@ -85,8 +83,14 @@ def hold_gathered(model) -> None:
     from torch.distributed.fsdp import FSDPModule
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_reshard_after_forward(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
+            _hold(m)
+
+
+def _hold(unit) -> None:
+    """Keep `unit`'s gathered parameters after its forward and its backward (freed by an
+    explicit reshard())."""
+    unit.set_reshard_after_forward(False, recurse=False)
+    unit.set_reshard_after_backward(False, recurse=False)
 
 
 def reshard_all(model) -> None:
