@@ -104,13 +104,16 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         self.nodes = nodes
 
     def _hop1(self, sp, x_TD):
-        """-> (x_UD, token_U, send1, recv1, index_A, send_a, recv_a): this rank's unique
-        (node, token) rows in node order, and each assignment's index among the rows sent to
-        its node."""
+        """-> (x_UD, token_U, send1, recv1, index_A, send_a, recv_a, mine, on_node): this
+        rank's unique (node, token) rows in node order, each assignment's index among the rows
+        sent to its node, the splits of both, the sources this rank is the proxy of and the
+        ranks of its node."""
         P, r, nodes, T = self.world, self.rank, self.nodes, x_TD.shape[0]
         node_P = torch.tensor(nodes.node_of_rank)
         rows_P = sp.table_PPW[r].sum(1)
-        node_A = torch.repeat_interleave(node_P, rows_P).to(x_TD.device)
+        node_A = torch.repeat_interleave(node_P, rows_P)
+        assign_node = torch.bincount(node_A, minlength=nodes.num_nodes)
+        node_A = node_A.to(x_TD.device)
         key_A = node_A * T + sp.local.token_N
         key_U, inv_A = torch.unique(key_A, sorted=True, return_inverse=True)
         per_node = torch.bincount(key_U // T, minlength=nodes.num_nodes)
@@ -118,7 +121,6 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         index_A = inv_A - start_node[node_A]
         proxies = [nodes.proxy(r, m) for m in range(nodes.num_nodes)]
         send1, send_a = [0] * P, [0] * P
-        assign_node = torch.bincount(node_P.repeat_interleave(rows_P), minlength=nodes.num_nodes)
         for m, (u, a) in enumerate(zip(per_node.tolist(), assign_node.tolist())):
             send1[proxies[m]], send_a[proxies[m]] = u, a
         recv1 = exchange_counts(torch.tensor(send1, device=x_TD.device).view(P, 1), self.group)
