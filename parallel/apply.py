@@ -46,9 +46,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
                          f"process too (a group of one)")
     par = Parallelized(model, plan, meshes)
     tied = _tied_embedding(model, meshes)  # decided before the split prunes either end
+    if plan.a2a_overlap == "1f1b":  # every MoE layer waits for its exchanges through it (below)
+        from .interleave import Baton
+        par.baton = Baton()
     if plan.pp > 1:
         from .pipeline.split import split_pipeline
-        par.pipeline = split_pipeline(model, plan, meshes, loss_fn)
+        par.pipeline = split_pipeline(model, plan, meshes, loss_fn, par.baton)
     if plan.tp > 1 and plan.tp_mode == "1d":
         from .tensor.one_d import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)
@@ -96,11 +99,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         from .precision import DTYPES                          # taken (ZeRO-3: FSDP2's shards)
         par.zero.cast_params(DTYPES[plan.param_dtype])
     par.kinds = param_kinds(model)  # after FSDP2, which replaces the parameter objects
-    if plan.a2a_overlap == "1f1b":  # every MoE layer waits for its exchanges through the baton
+    if par.baton is not None:  # every MoE layer waits for its exchanges through the baton
         from moe.aux import moe_layers
-
-        from .interleave import Baton
-        par.baton = Baton()
         for _, layer in moe_layers(model):
             layer.set_a2a_waiter(par.baton.wait)
     if meshes is not None:

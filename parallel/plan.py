@@ -55,7 +55,7 @@ class ParallelPlan:
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2; under ZeRO-3 FSDP2 gathers and reduces in bf16, its fp32 shards the masters: the ZeRO paper's mixed precision, K=12; needs zero 1-3 and precision=bf16; checkpoints keep the fp32 masters)"})
-    a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); same function; two micro-batches' activations live at once; needs ep > 1 and pp = 1"})
+    a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); under pp > 1 the schedule's neighbouring forward/backward pairs (1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev; parallel/pipeline/overlap.py); same function; two micro-batches' activations live at once; needs ep > 1"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
@@ -537,15 +537,25 @@ def _check_a2a_overlap(p: ParallelPlan, moe_cfg) -> None:
         raise _err(f"parallel.a2a_overlap={p.a2a_overlap!r} is not supported; use one of {A2A_OVERLAPS}")
     if p.a2a_overlap == "none":
         return
+    unpaired = p.pp > 1 and p.pp_schedule == "gpipe"  # (2bw refuses ep > 1 itself)
     for bad, why in ((p.ep == 1, "parallel.ep=1 has no expert all-to-all to hide; set parallel.ep > 1"),
-                     (p.pp > 1, f"under parallel.pp={p.pp} the pipeline schedule runs the micro-batches "
-                                f"and the combined 1F1B is not built into it yet; use parallel.pp=1"),
+                     (unpaired, f"parallel.pp_schedule={p.pp_schedule} never runs a forward next to a "
+                                f"backward of another micro-batch; use 1f1b, interleaved_1f1b, "
+                                f"zb_interleaved, zbv or dualpipev"),
                      (p.ps_servers > 0, "the parameter server runs one micro-batch at a time; set "
                                         "parallel.ps_servers=0"),
                      (getattr(moe_cfg, "a2a_overlap_degree", 1) > 1,
                       "moe.a2a_overlap_degree > 1 waits for its own chunks; use one of the two overlaps")):
         if bad:
             raise _err(f"parallel.a2a_overlap={p.a2a_overlap}: {why} (or parallel.a2a_overlap=none)")
+    # torch's lowering (_add_send_recv) finds no deadlock-free order for the 1F1B family's
+    # forward/backward pairs below 2(pp-1) micro-batches (parallel/pipeline/overlap.py;
+    # every pp 2..8 and microbatches up to 3 pp enumerated)
+    if p.pp > 1 and p.pp_schedule in ("1f1b", "interleaved_1f1b") and p.microbatches < 2 * (p.pp - 1):
+        raise _err(f"parallel.a2a_overlap=1f1b with parallel.pp_schedule={p.pp_schedule}: "
+                   f"parallel.microbatches={p.microbatches} cannot pair forwards with backwards "
+                   f"without a stage waiting on itself; set parallel.microbatches to "
+                   f"{2 * (p.pp - 1)} or more (or parallel.a2a_overlap=none)")
 
 
 def _check_overlap(p: ParallelPlan, moe_cfg) -> None:

@@ -335,7 +335,7 @@ def _check_batching(cfg: Config, plan) -> None:
                  f"(train.batch_size / dp = {cfg.train.batch_size} / {plan.dp}); pick a divisor of {local}")
     if plan.a2a_overlap == "1f1b":
         n = local // mb if mb else 1
-        _require(n >= 2, f"parallel.a2a_overlap=1f1b runs one micro-batch's forward beside another's "
+        _require(plan.pp > 1 or n >= 2, f"parallel.a2a_overlap=1f1b runs one micro-batch's forward beside another's "
                          f"backward, but train.micro_batch_size={mb} gives {n} micro-batch per step; "
                          f"set train.micro_batch_size to a divisor of {local} below it")
         _require(not cfg.moe.router_replay, "parallel.a2a_overlap=1f1b with moe.router_replay: the "

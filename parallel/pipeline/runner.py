@@ -27,8 +27,8 @@ class PipelineRunner:
 
     has_grads = True  # step() leaves a gradient to reduce and apply (2bw's first does not)
 
-    def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn):
-        self.plan, self.meshes, self.model = plan, meshes, model
+    def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn, baton=None):
+        self.plan, self.meshes, self.model, self.baton = plan, meshes, model, baton
         self.chunks, self.stage_ids, self.loss_fn = chunks, stage_ids, loss_fn
         self.schedule, self.eval_schedule, self._aux = None, None, []
         self._stage_aux = torch.zeros(())
@@ -40,21 +40,31 @@ class PipelineRunner:
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             self._aux.append(mod.aux_loss.detach())
 
-    def _build(self):
+    def _build(self, overlap: bool = False):
+        """The torch schedule; `overlap` (parallel.a2a_overlap=1f1b, training only): its
+        forward/backward pairs run interleaved through the baton (overlap.py), 1f1b as the
+        interleaved 1F1B's one-stage order, which torch's schedule runtime can execute."""
         from torch.distributed import pipelining
         device = local(next(self.model.parameters())).device
         group = self.meshes.group("pp")
         stages = [pipelining.PipelineStage(c, s, self.plan.num_stages, device, group=group)
                   for c, s in zip(self.chunks, self.stage_ids)]
-        cls = getattr(pipelining, SCHEDULES[self.plan.pp_schedule].torch_class)
-        arg = stages if self.plan.pp_schedule in MULTI_STAGE_SCHEDULES else stages[0]
-        return cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
+        name = self.plan.pp_schedule
+        if overlap and name == "1f1b":
+            name = "interleaved_1f1b"
+        cls = getattr(pipelining, SCHEDULES[name].torch_class)
+        arg = stages if name in MULTI_STAGE_SCHEDULES else stages[0]
+        schedule = cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
+        if overlap:
+            from .overlap import overlap_schedule
+            schedule = overlap_schedule(schedule, self.baton)
+        return schedule
 
     def step(self, x_BS, y_BS):
         """Forward + backward of every microbatch; gradients are left unreduced (the caller,
         Parallelized.pipeline_step, reduces them once)."""
         if self.schedule is None:
-            self.schedule = self._build()
+            self.schedule = self._build(overlap=self.baton is not None)
         self._aux.clear()
         losses = []
         first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids

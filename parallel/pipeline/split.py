@@ -44,8 +44,9 @@ def _shell(model, stage: int, num_stages: int, blocks: list):
     return shell
 
 
-def split_pipeline(model, plan, meshes, loss_fn):
-    """Prune `model` to this pp rank's stages; return a PipelineRunner (schedule built lazily)."""
+def split_pipeline(model, plan, meshes, loss_fn, baton=None):
+    """Prune `model` to this pp rank's stages; return a PipelineRunner (schedule built
+    lazily; `baton`: parallel.a2a_overlap=1f1b, its forward/backward pairs interleaved)."""
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
     n_layers, n = len(blocks(model)), plan.num_stages
@@ -63,4 +64,4 @@ def split_pipeline(model, plan, meshes, loss_fn):
         chunks = [model]  # the pruned model itself is the stage (FSDP2 root hooks fire)
     inject_aux_loss(model)
     runner = TwoBWRunner if SCHEDULES[plan.pp_schedule].asynchronous else PipelineRunner
-    return runner(plan, meshes, model, chunks, stages, loss_fn)
+    return runner(plan, meshes, model, chunks, stages, loss_fn, baton)

@@ -37,8 +37,8 @@ class TwoBWRunner(PipelineRunner):
     """PipelineRunner's interface (step, stage_aux_loss, evaluate, drain), one stage per rank
     (split_pipeline prunes the model and builds it for pp_schedule=2bw)."""
 
-    def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn):
-        super().__init__(plan, meshes, model, chunks, stage_ids, loss_fn)
+    def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn, baton=None):
+        super().__init__(plan, meshes, model, chunks, stage_ids, loss_fn, baton)  # (refused: plan.py)
         self.stage, self.p, self.m = meshes.pp_rank, plan.pp, plan.microbatches
         self.w = self.p - 1 - self.stage
         self.group = meshes.group("pp")

@@ -15,13 +15,20 @@ hops each under the hierarchical dispatch, plus the gates).
 Layouts: world 2 dp2 x ep2 under ZeRO 0/1/2/3, with bf16 and the hierarchical dispatch on
 2 declared nodes, with full recomputation; world 4 tp2 x dp2 x ep2 (ZeRO-1) and dp4 x ep2
 x etp2; world 8 dp4 x cp2 x ep4 with ZeRO-3, bf16 and the hierarchical dispatch on 2 nodes.
+Inside the pipeline schedules (parallel/pipeline/overlap.py: the schedule's neighbouring
+forward/backward pairs run interleaved), against the same schedule without the overlap:
+world 4 pp2 x dp2 x ep2 with 4 micro-batches under 1f1b, interleaved_1f1b, dualpipev, zbv,
+zb_interleaved, interleaved_1f1b with ZeRO-3 and dualpipev with ZeRO-1 and bf16; world 8
+pp2 x dp2 x cp2 x ep4 interleaved_1f1b with ZeRO-1, bf16 and the hierarchical dispatch.
+A pipeline's waits are counted from step 1 (step 0 also runs torch's shape-inference
+forward).
 """
 import functools
 
 import pytest
 import torch
 
-from moe.aux import collect_aux_loss
+from moe.aux import collect_aux_loss, moe_layers
 from parallel.interleave import run_interleaved
 from tests.dist import dense_common as dc
 from tests.dist.harness import run_distributed
@@ -34,7 +41,8 @@ def _train(world, spec, overlap, moe_extra, M):
     from parallel.apply import parallelize
     from parallel.mesh import build_meshes
     from parallel.plan import ParallelPlan
-    model_cfg, moe_cfg = dc.configs()
+    # the V schedules refuse a tied embedding (plan.py); the others keep it, across stages
+    model_cfg, moe_cfg = dc.configs(tie=spec.get("pp_schedule") not in ("zbv", "dualpipev"))
     for k, v in moe_extra.items():
         setattr(moe_cfg, k, v)
     plan = ParallelPlan(**spec, a2a_overlap=overlap).validate(world, model_cfg, moe_cfg, dc.B)
@@ -43,31 +51,41 @@ def _train(world, spec, overlap, moe_extra, M):
     out, switches = [], None
     for step in range(STEPS):
         x, y = dc.my_rows(par, *dc.batch(step))
-        xs, ys = x.chunk(M), y.chunk(M)
         losses = []
-
-        def forward(i):
-            loss = dc.task_loss(par.model(xs[i]), ys[i]) + collect_aux_loss(par.model)
-            losses.append(loss.detach())
-            return loss / M
-
-        if par.baton is not None:
-            par.set_grad_sync(False)
-            run_interleaved(M, forward, lambda i, t: t.backward(), par.baton,
-                            lambda: par.set_grad_sync(True))
+        if plan.pp > 1:  # the schedule runs the micro-batches (and pairs them under 1f1b)
+            losses.append(par.pipeline_step(x, y).detach())
         else:
-            for i in range(M):
-                par.set_grad_sync(i == M - 1)
-                forward(i).backward()
-        par.finish_backward()
+            _micro_batches(par, x.chunk(M), y.chunk(M), M, losses)
         norm = par.clip_grad_norm_(dc.CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append((sum(float(v) for v in losses), float(norm)))
+        if step == 0 and par.baton is not None:  # counted from step 1: a pipeline's first step
+            par.baton.take()                     # also runs torch's shape-inference forward
     if par.baton is not None:
         switches = par.baton.take()
     params = {n: _local(p).detach().clone() for n, p in par.model.named_parameters()}
-    return out, params, switches
+    # the waits through the baton: its exchanges per MoE layer and micro-batch, times these
+    waits = (STEPS - 1) * (plan.microbatches if plan.pp > 1 else M) * len(moe_layers(par.model))
+    return out, params, switches, waits
+
+
+def _micro_batches(par, xs, ys, M, losses):
+    """Forward and backward of M micro-batches, plain or interleaved, then the reduction."""
+    def forward(i):
+        loss = dc.task_loss(par.model(xs[i]), ys[i]) + collect_aux_loss(par.model)
+        losses.append(loss.detach())
+        return loss / M
+
+    if par.baton is not None:
+        par.set_grad_sync(False)
+        run_interleaved(M, forward, lambda i, t: t.backward(), par.baton,
+                        lambda: par.set_grad_sync(True))
+    else:
+        for i in range(M):
+            par.set_grad_sync(i == M - 1)
+            forward(i).backward()
+    par.finish_backward()
 
 
 def _local(p):
@@ -77,15 +95,13 @@ def _local(p):
 def _worker(rank, world, layouts):
     rows = []
     for name, spec, moe_extra, exchanges, M in layouts:
-        plain, p_params, _ = _train(world, spec, "none", moe_extra, M)
-        inter, i_params, switches = _train(world, spec, "1f1b", moe_extra, M)
+        plain, p_params, _, _ = _train(world, spec, "none", moe_extra, M)
+        inter, i_params, switches, waits = _train(world, spec, "1f1b", moe_extra, M)
         for step, (a, b) in enumerate(zip(plain, inter)):
             rows.append((name, f"step {step} loss, norm", abs(a[0] - b[0]) + abs(a[1] - b[1])))
         rows.append((name, "parameters", max(float((p_params[n] - i_params[n]).abs().max())
                                              for n in p_params)))
-        moe_layers = 2  # dc.configs: 4 blocks, every 2nd an MoE block
-        rows.append((name, "waits through the baton", abs(switches["a2a_waits"]
-                                                          - STEPS * M * moe_layers * exchanges)))
+        rows.append((name, "waits through the baton", abs(switches["a2a_waits"] - waits * exchanges)))
         rows.append((name, "no hand-over", float(switches["a2a_handed"] == 0)))
     return rows
 
@@ -99,6 +115,7 @@ def _check(world, layouts, timeout):
 
 
 HIER = {"dispatch": "hierarchical"}
+EVERY = {"every": 1}  # every block an MoE block (the pipeline layouts: each stage has exchanges)
 # dispatch + combine + their backwards; hierarchical: two hops each way for the rows, one
 # exchange of the gates (and its backward) and of the index (forward only, no autograd)
 FLAT_X, HIER_X = 4, 10
@@ -112,7 +129,10 @@ W2 = [("dp2 ep2", {"dp": 2, "ep": 2}, {}, FLAT_X, 4),
 W4 = [("tp2 dp2 ep2 zero1", {"tp": 2, "dp": 2, "ep": 2, "zero": 1}, {}, FLAT_X, 2),
       ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2}, {}, FLAT_X, 2)]
 W8 = [("dp4 cp2 ep4 zero3 bf16 hierarchical on 2 nodes",
-       {"dp": 4, "cp": 2, "ep": 4, "zero": 3, "precision": "bf16", "gpus_per_node": 4}, HIER, HIER_X, 2)]
+       {"dp": 4, "cp": 2, "ep": 4, "zero": 3, "precision": "bf16", "gpus_per_node": 4}, HIER, HIER_X, 2),
+      ("pp2 dp2 cp2 ep4 interleaved_1f1b zero1 bf16 hierarchical on 2 nodes",
+       {"pp": 2, "dp": 2, "cp": 2, "ep": 4, "microbatches": 4, "pp_schedule": "interleaved_1f1b",
+        "zero": 1, "precision": "bf16", "gpus_per_node": 4}, {**HIER, **EVERY}, HIER_X, 0)]
 
 
 def test_interleaved_micro_batches_equal_the_plain_loop_world2():
@@ -158,3 +178,18 @@ def test_chunked_overlap_under_zero3_equals_one_process_and_gathers_once():
                 for case, metric, v in rows if v > (1 if "step" in metric else 0)]
     assert not failures, "\n".join(failures)
     assert all(len(rows) == 3 * dc.STEPS + 2 for rows in results)
+
+
+# ---- inside the pipeline schedules (parallel/pipeline/overlap.py) -------------------------
+# every block an MoE block, so each stage (one block under the two-stage-per-rank schedules)
+# has exchanges to pair; 4 micro-batches, 1 row each per dp rank
+PP = {"pp": 2, "dp": 2, "ep": 2, "microbatches": 4}
+W4_PP = [(f"pp2 dp2 ep2 {s}", {**PP, "pp_schedule": s}, EVERY, FLAT_X, 0)
+         for s in ("1f1b", "interleaved_1f1b", "dualpipev", "zbv", "zb_interleaved")] + [
+    ("pp2 dp2 ep2 interleaved_1f1b zero3", {**PP, "pp_schedule": "interleaved_1f1b", "zero": 3}, EVERY, FLAT_X, 0),
+    ("pp2 dp2 ep2 dualpipev zero1 bf16", {**PP, "pp_schedule": "dualpipev", "zero": 1, "precision": "bf16"},
+     EVERY, FLAT_X, 0)]
+
+
+def test_interleaved_pipeline_schedules_equal_the_plain_schedules_world4():
+    _check(4, W4_PP, timeout=600)

@@ -2,7 +2,8 @@
 rank, train.micro_batch_size=2): the same losses as the plain micro-batch loop, bit for bit
 (each micro-batch runs the same operations in the same order, parallel/interleave.py), and
 metrics.jsonl reports the exchanges waited for through the baton; a layout without
-micro-batches is refused in one line.
+micro-batches is refused in one line. The same inside a pipeline schedule (pp2 x dp2 x ep2,
+1F1B, 4 micro-batches: the schedule's forward/backward pairs, parallel/pipeline/overlap.py).
 """
 import pytest
 
@@ -36,3 +37,20 @@ def test_1f1b_without_micro_batches_refused_in_one_line(tmp_path):
     assert "parallel.a2a_overlap=1f1b runs one micro-batch's forward beside another's backward, " \
            "but train.micro_batch_size=0 gives 1 micro-batch per step" in out.stdout + out.stderr, \
         (out.stdout + out.stderr)[-2000:]
+
+
+def test_1f1b_inside_the_pipeline_same_losses_as_the_plain_schedule(tmp_path):
+    common = TINY + [f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", "parallel.pp=2",
+                     "parallel.dp=2", "parallel.ep=2", "parallel.microbatches=4", "moe.every=1",
+                     "checkpoint.every=0", "checkpoint.at_end=false", "log.tensorboard=false",
+                     "log.progress=none"]
+    plain, inter = tmp_path / "plain", tmp_path / "inter"
+    train(common + [f"run.dir={plain}"], tmp_path, nproc=4)
+    train(common + [f"run.dir={inter}", "parallel.a2a_overlap=1f1b"], tmp_path, nproc=4)
+    ref, got = losses(plain), losses(inter)
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    assert got == ref
+    for rec in records(inter)[1:]:  # (the first step also runs torch's shape-inference forward)
+        # rank 0 = stage 0: 1 MoE block x 4 micro-batches x 4 exchanges; its 1F1B order
+        # F0 F1 (F2;B0) (F3;B1) B2 B3 hands over inside each of its 2 pairs
+        assert rec["a2a_waits"] == 16 and rec["a2a_handed"] >= 2, rec

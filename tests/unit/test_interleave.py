@@ -94,10 +94,108 @@ def test_plan_refusals(plan_kw, moe_kw, match):
         ParallelPlan(a2a_overlap="1f1b", **plan_kw).validate(2, moe_cfg=moe)
 
 
-def test_plan_refuses_pipelines_and_unknown_modes():
+def test_plan_refuses_unpaired_schedules_short_pipelines_and_unknown_modes():
     moe = MoEConfig(num_experts=4, top_k=2).validate()
-    with pytest.raises(ValueError, match=r"under parallel.pp=2 the pipeline schedule runs the micro-batches"):
-        ParallelPlan(a2a_overlap="1f1b", dp=2, pp=2, ep=2).validate(4, moe_cfg=moe)
+    for schedule in ("gpipe",):
+        with pytest.raises(ValueError, match=rf"parallel.pp_schedule={schedule} never runs a forward next to a backward"):
+            ParallelPlan(a2a_overlap="1f1b", dp=2, pp=2, ep=2, pp_schedule=schedule,
+                         microbatches=4).validate(4, moe_cfg=moe)
+    with pytest.raises(ValueError, match=r"parallel.microbatches=4 cannot pair forwards with backwards without "
+                                         r"a stage waiting on itself; set parallel.microbatches to 6 or more"):
+        ParallelPlan(a2a_overlap="1f1b", pp=4, dp=2, ep=2, microbatches=4).validate(8, moe_cfg=moe)
     with pytest.raises(ValueError, match=r"parallel.a2a_overlap='2f2b' is not supported"):
         ParallelPlan(a2a_overlap="2f2b", dp=2, ep=2).validate(2, moe_cfg=moe)
     assert ParallelPlan(a2a_overlap="1f1b", dp=2, ep=2).validate(2, moe_cfg=moe).a2a_overlap == "1f1b"
+    for schedule, m in (("1f1b", 6), ("interleaved_1f1b", 8), ("zb_interleaved", 4), ("dualpipev", 8)):
+        assert ParallelPlan(a2a_overlap="1f1b", pp=4, dp=2, ep=2, pp_schedule=schedule,
+                            microbatches=m).validate(8, moe_cfg=moe).microbatches == m
+
+
+# ---- the pairs inside a pipeline schedule (parallel/pipeline/overlap.py) ------------------
+from torch.distributed.pipelining import schedules as ts  # noqa: E402
+
+from parallel.pipeline.overlap import overlapped_order, pairs_of  # noqa: E402
+
+
+def _torch_order(name, pp, m, v):
+    """torch 2.13's compute-only order of schedule `name` for every rank, computed without
+    stages or a process group (only the attributes its order computation reads)."""
+    cls = getattr(ts, name)
+    s = cls.__new__(cls)
+    s.pp_group_size, s._n_microbatches, s.n_local_stages = pp, m, v
+    s._num_stages = s.num_stages = pp * v
+    s.number_of_rounds = max(1, m // pp)
+    s.microbatches_per_round = m // s.number_of_rounds
+    s.stage_index_to_group_rank = ts.generate_stage_to_rank_mapping(
+        pp, pp * v, style="v" if name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop")
+    return s, {r: s._calculate_single_rank_operations(r) for r in range(pp)}
+
+
+def _lowers(s, order, m) -> bool:
+    acts = {r: ts._add_reduce_grad(ts._add_unshard_reshard(a), m) for r, a in order.items()}
+    try:
+        ts._add_send_recv(acts, stage_to_rank=lambda k: s.stage_index_to_group_rank[k],
+                          num_stages=s._num_stages)
+    except AssertionError:
+        return False
+    return True
+
+
+def _leaves(actions):
+    out = []
+    for a in actions:
+        if a is not None:
+            out.extend(a.sub_actions if a.computation_type == ts.OVERLAP_F_B else (a,))
+    return out
+
+
+def test_last_stage_pairs_the_next_forward_with_the_previous_backward():
+    _, order = _torch_order("ScheduleInterleaved1F1B", 2, 4, 1)
+    got = overlapped_order(order)
+    assert [str(a) for a in got[1]] == ["1F0", "(1F1;1B0)OVERLAP_F_B", "(1F2;1B1)OVERLAP_F_B",
+                                        "(1F3;1B2)OVERLAP_F_B", "1B3"]
+    assert [str(a) for a in got[0]] == ["0F0", "0F1", "(0F2;0B0)OVERLAP_F_B",
+                                        "(0F3;0B1)OVERLAP_F_B", "0B2", "0B3"]
+    only_forward_first = overlapped_order(order, either_order=False)
+    assert pairs_of(only_forward_first, 1) == 0  # F(i) B(i) never pair: same micro-batch
+
+
+@pytest.mark.parametrize("name, v", [("ScheduleInterleaved1F1B", 1), ("ScheduleInterleaved1F1B", 2),
+                                     ("ScheduleInterleavedZeroBubble", 2), ("ScheduleZBVZeroBubble", 2),
+                                     ("ScheduleDualPipeV", 2)])
+def test_pairing_keeps_each_rank_order_and_the_plan_rule_matches_torch_lowering(name, v):
+    """Every action once, forwards and backwards each in their plain order, every pair of two
+    micro-batches; and the plan accepts exactly the (pp, microbatches) whose pairing torch's
+    lowering can schedule (either order, else forward first), pp 2..6, microbatches up to 3 pp."""
+    moe = MoEConfig(num_experts=4, top_k=2).validate()
+    schedule = {"ScheduleInterleaved1F1B": "interleaved_1f1b" if v > 1 else "1f1b",
+                "ScheduleInterleavedZeroBubble": "zb_interleaved", "ScheduleZBVZeroBubble": "zbv",
+                "ScheduleDualPipeV": "dualpipev"}[name]
+    for pp in range(2, 7):
+        for m in range(2 * pp if schedule in ("zbv", "dualpipev") else pp, 3 * pp + 1):
+            if name == "ScheduleInterleavedZeroBubble" and m % max(1, m // pp):
+                continue  # refused by plan.py for zb_interleaved on its own
+            s, order = _torch_order(name, pp, m, v)
+            lowered = False
+            for either in (True, False):
+                got = overlapped_order(order, either)
+                for r in order:
+                    plain, leaves = [a for a in order[r] if a is not None], _leaves(got[r])
+                    assert sorted(map(str, leaves)) == sorted(map(str, _leaves(plain)))
+                    for kind in (ts.FORWARD, ts.FULL_BACKWARD, ts.BACKWARD_INPUT):
+                        assert [a for a in leaves if a.computation_type == kind] == \
+                            [a for a in _leaves(plain) if a.computation_type == kind]
+                    for a in got[r]:
+                        if a.computation_type == ts.OVERLAP_F_B and a.stage_index == -1 and \
+                                a not in order[r]:
+                            f, b = a.sub_actions
+                            assert f.computation_type == ts.FORWARD and f.microbatch_index != b.microbatch_index
+                lowered = lowered or _lowers(s, got, m)
+            try:
+                ParallelPlan(a2a_overlap="1f1b", pp=pp, dp=2, ep=2, pp_schedule=schedule,
+                             microbatches=m).validate(2 * pp, moe_cfg=moe)
+                accepted = True
+            except ValueError as e:
+                assert "cannot pair forwards with backwards" in str(e), e
+                accepted = False
+            assert accepted == lowered, (schedule, pp, m, accepted, lowered)

@@ -1,0 +1,139 @@
+"""The combined 1F1B inside a pipeline schedule (parallel.a2a_overlap=1f1b with pp > 1).
+
+A pipeline rank's steady state alternates a forward of one micro-batch with a backward of
+an earlier one. Here each such neighbouring pair becomes one OVERLAP_F_B action of torch's
+schedule runtime (the action DualPipeV already emits, which torch runs one after the
+other), and the action runs the two as interleaved pieces through the Baton
+(parallel/interleave.py): the forward on a helper thread, the backward on the caller's,
+switching at every expert all-to-all, so one's exchange flies while the other computes.
+
+    overlapped_order(order)    compute-only order -> the same order with F;B pairs merged
+    overlap_schedule(schedule, baton)   re-lower a runtime schedule with the merged order
+                                        and run its OVERLAP_F_B actions through the baton
+
+Which pairs: a forward and a backward (whole, or its input-gradient half under the
+zero-bubble schedules) of different micro-batches, next to each other in the rank's order
+(idle slots between dropped), taken greedily from the front. They
+are independent (a backward needs only its own micro-batch's forwards), so the pair's
+pieces can run in any interleaving; the forwards keep their order and so do the backwards,
+so every micro-batch runs the same operations in the same order as without the overlap and
+gradients accumulate in the same order: the same function, bit for bit. The pair's inputs
+(pipeline receives) are waited for before it starts and its sends go out after it, which
+torch's lowering (`_add_send_recv`) schedules so that no rank waits on a pair that waits
+on it; it refuses an order it cannot schedule.
+
+1f1b itself runs as torch's interleaved 1F1B with one stage per rank (the same order as
+Schedule1F1B, in the runtime that executes schedule IR). Uses torch 2.13's private schedule
+runtime (`_PipelineScheduleRuntime`, `_Action`, the stage's forward/backward_one_chunk), as
+torch's own DualPipeV does.
+"""
+from torch.distributed.pipelining import schedules as ts
+
+__all__ = ["overlapped_order", "overlap_schedule", "pairs_of"]
+
+_BACKWARDS = (ts.FULL_BACKWARD, ts.BACKWARD_INPUT)
+
+
+def _is(a, kinds) -> bool:
+    return a is not None and a.computation_type in kinds
+
+
+def _pair(a, b, either_order: bool):
+    """(forward, backward) if a then b are a forward and a backward (or, with
+    `either_order`, a backward and a forward) of different micro-batches, else None."""
+    f, bw = (a, b) if _is(a, (ts.FORWARD,)) or not either_order else (b, a)
+    if _is(f, (ts.FORWARD,)) and _is(bw, _BACKWARDS) and f.microbatch_index != bw.microbatch_index:
+        return f, bw
+    return None
+
+
+def overlapped_order(order: dict, either_order: bool = True) -> dict:
+    """{rank: [action | None]} with each forward merged with a neighbouring backward of
+    another micro-batch (the one after it, or before it: the last stage's F0 B0 F1 B1 ...
+    becomes F0 (F1;B0) (F2;B1) ... B{m-1}), idle slots between dropped, into one OVERLAP_F_B
+    action, forward first. either_order=False: only a forward followed by a backward."""
+    out = {}
+    for rank, actions in order.items():
+        merged, held = [], None  # held: a forward or backward waiting for its partner
+        for a in actions:
+            if a is None:
+                continue
+            pair = _pair(held, a, either_order) if held is not None else None
+            if pair is not None:
+                merged.append(ts._Action(-1, ts.OVERLAP_F_B, None, pair))
+                held = None
+            elif _is(a, (ts.FORWARD,) + _BACKWARDS):
+                if held is not None:
+                    merged.append(held)
+                held = a
+            else:
+                if held is not None:
+                    merged.append(held)
+                merged.append(a)
+                held = None
+        out[rank] = merged + ([held] if held is not None else [])
+    return out
+
+
+def pairs_of(order: dict, rank: int) -> int:
+    """How many OVERLAP_F_B actions `rank` runs in `order`."""
+    return sum(a is not None and a.computation_type == ts.OVERLAP_F_B for a in order[rank])
+
+
+def overlap_schedule(schedule, baton):
+    """Lower `schedule` (a torch _PipelineScheduleRuntime) again with its forward/backward
+    pairs merged, and run each pair through `baton`. Returns the schedule.
+
+    Pairs in either order first (the last stage pairs F(i+1) with B(i), Megatron's combined
+    1F1B); where torch's lowering finds that order cannot be scheduled (the zero-bubble
+    orders), a forward only with the backward after it. Every rank lowers every rank's order
+    the same way, so all agree."""
+    plain = schedule.pipeline_order
+    for either in (True, False):
+        merged = overlapped_order(plain, either)
+        try:
+            schedule._prepare_schedule_with_comms(merged)
+        except AssertionError:  # "Malformed compute schedule, can't schedule sends/recvs"
+            continue
+        schedule.pipeline_order = merged
+        schedule.register_custom_function(ts.OVERLAP_F_B, lambda action, ctx: _run_pair(baton, action, ctx))
+        return schedule
+    raise ValueError(f"parallel.a2a_overlap=1f1b: no forward/backward pairing of this schedule's "
+                     f"{schedule._n_microbatches} microbatches can be ordered without a rank waiting "
+                     f"on itself; raise parallel.microbatches (or parallel.a2a_overlap=none)")
+
+
+def _run_pair(baton, action, ctx) -> None:
+    sched = ctx.schedule_ref
+    stages = {s.stage_index: s for s in sched._stages}
+    f, b = action.sub_actions
+    # the pair's inputs from the neighbouring ranks, before either half starts
+    if not stages[f.stage_index].is_first and f.stage_index - 1 not in stages:
+        ts._wait_batch_p2p(sched.fwd_recv_ops.pop((f.stage_index, f.microbatch_index)))
+    if not stages[b.stage_index].is_last and b.stage_index + 1 not in stages:
+        ts._wait_batch_p2p(sched.bwd_recv_ops.pop((b.stage_index, b.microbatch_index)))
+    baton.pair(lambda: _forward(sched, stages, f, ctx), lambda: _backward(sched, stages, b))
+
+
+def _forward(sched, stages, a, ctx) -> None:
+    """What the runtime does for a FORWARD action once its input has arrived."""
+    stage, mb = stages[a.stage_index], a.microbatch_index
+    out = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=True)
+    sched._maybe_compute_loss(stage, out, ctx.target_mbs, mb)
+    if a.stage_index + 1 in stages:  # the V's two ends on one rank: handed over locally
+        stages[a.stage_index + 1].set_local_fwd_input(out, mb)
+
+
+def _backward(sched, stages, a) -> None:
+    """What the runtime does for a FULL_BACKWARD / BACKWARD_INPUT action once its output
+    gradient has arrived."""
+    stage, mb = stages[a.stage_index], a.microbatch_index
+    full = a.computation_type == ts.FULL_BACKWARD
+    last = False
+    if full:  # the runtime counts whole backwards (and weight halves) to find the last one
+        sched.backward_counter[a.stage_index] += 1
+        last = sched.backward_counter[a.stage_index] == sched._n_microbatches
+    stage.backward_one_chunk(mb, loss=sched._maybe_get_loss(stage, mb), full_backward=full,
+                             last_backward=last)
+    if a.stage_index - 1 in stages:
+        stages[a.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
