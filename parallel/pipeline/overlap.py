@@ -10,6 +10,8 @@ switching at every expert all-to-all, so one's exchange flies while the other co
     overlapped_order(order)    compute-only order -> the same order with F;B pairs merged
     overlap_schedule(schedule, baton)   re-lower a runtime schedule with the merged order
                                         and run its OVERLAP_F_B actions through the baton
+    paired_counts(schedule, pp, m, v)   the pairs each pipeline rank runs (the planner's
+                                        hideable share), computed without a process group
 
 Which pairs: a forward and a backward (whole, or its input-gradient half under the
 zero-bubble schedules) of different micro-batches, next to each other in the rank's order
@@ -29,7 +31,9 @@ torch's own DualPipeV does.
 """
 from torch.distributed.pipelining import schedules as ts
 
-__all__ = ["overlapped_order", "overlap_schedule", "pairs_of"]
+from .schedules import SCHEDULES
+
+__all__ = ["overlapped_order", "overlap_schedule", "pairs_of", "paired_counts", "torch_order"]
 
 _BACKWARDS = (ts.FULL_BACKWARD, ts.BACKWARD_INPUT)
 
@@ -78,6 +82,46 @@ def overlapped_order(order: dict, either_order: bool = True) -> dict:
 def pairs_of(order: dict, rank: int) -> int:
     """How many OVERLAP_F_B actions `rank` runs in `order`."""
     return sum(a is not None and a.computation_type == ts.OVERLAP_F_B for a in order[rank])
+
+
+def torch_order(schedule: str, pp: int, m: int, v: int):
+    """(stage -> pp rank, {rank: compute-only order}) that torch 2.13 computes for
+    pp_schedule `schedule` (1f1b: the interleaved 1F1B's one-stage order, what the overlap
+    runs), without stages or a process group: only the attributes its order computation
+    reads are set."""
+    name = "interleaved_1f1b" if schedule == "1f1b" else schedule
+    cls = getattr(ts, SCHEDULES[name].torch_class)
+    s = cls.__new__(cls)
+    s.pp_group_size, s._n_microbatches, s.n_local_stages = pp, m, v
+    s._num_stages = s.num_stages = pp * v
+    s.number_of_rounds = max(1, m // pp)
+    s.microbatches_per_round = m // s.number_of_rounds
+    style = "v" if SCHEDULES[name].placement == "v" else "loop"
+    to_rank = ts.generate_stage_to_rank_mapping(pp, pp * v, style=style)
+    s.stage_index_to_group_rank = to_rank
+    return to_rank, {r: s._calculate_single_rank_operations(r) for r in range(pp)}
+
+
+def _lowers(order: dict, to_rank: dict, m: int) -> bool:
+    """Whether torch's lowering schedules `order`'s sends and receives (no rank waiting on
+    itself)."""
+    acts = {r: ts._add_reduce_grad(ts._add_unshard_reshard(a), m) for r, a in order.items()}
+    try:
+        ts._add_send_recv(acts, stage_to_rank=lambda k: to_rank[k], num_stages=len(to_rank))
+    except AssertionError:
+        return False
+    return True
+
+
+def paired_counts(schedule: str, pp: int, m: int, v: int) -> list | None:
+    """[pairs pipeline rank r runs] under parallel.a2a_overlap=1f1b (the order
+    overlap_schedule picks), or None where no pairing lowers."""
+    to_rank, order = torch_order(schedule, pp, m, v)
+    for either in (True, False):
+        merged = overlapped_order(order, either)
+        if _lowers(merged, to_rank, m):
+            return [pairs_of(merged, r) for r in range(pp)]
+    return None
 
 
 def overlap_schedule(schedule, baton):

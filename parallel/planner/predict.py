@@ -11,7 +11,7 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
-from .step_time import (a2a_by_node, comm_seconds, exposed_a2a_seconds, hideable_seconds,
+from .step_time import (a2a_by_node, comm_seconds, exposed_a2a_seconds, hideable_seconds, paired_shares,
                         host_seconds, node_size, stage_seconds, wire_bytes)
 
 
@@ -122,6 +122,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     out = Prediction(plan, bubble=bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches,
                                                    plan.stages_per_rank))
     d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
+    paired = paired_shares(plan, micro_count(w, plan))
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
         acts = activations(w, plan, state, stage)
@@ -130,7 +131,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         comm_s = comm_seconds(events, plan, rank, hw)
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)
-        hidden = hideable_seconds(comm_s, plan, d, micro_count(w, plan))
+        hidden = hideable_seconds(comm_s, plan, d, paired[stage])
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),

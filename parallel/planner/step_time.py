@@ -24,9 +24,14 @@ once per step after it. That is the upper bound (step_s), used to rank layouts.
 Lower bound (step_s_min): what runs beside compute in this toolkit may hide behind it --
   expert all-to-all     with moe.a2a_overlap_degree = d > 1, all but 1/d of it (the first
                         dispatch and the last combine of each layer stay exposed); with
-                        parallel.a2a_overlap=1f1b and m micro-batches, all but 1/m of it
-                        (the first forward's and the last backward's exchanges have no
-                        other micro-batch to hide behind; parallel/interleave.py)
+                        parallel.a2a_overlap=1f1b the share inside a forward/backward pair:
+                        m micro-batches without a pipeline, all but 1/m of it (the first
+                        forward's and the last backward's exchanges have no other
+                        micro-batch to hide behind; parallel/interleave.py); under a
+                        pipeline schedule, pairs_r / (m v) on pipeline rank r (its pairs
+                        of m v forwards and m v backwards of its v chunks, the order
+                        parallel/pipeline/overlap.py runs: warm-up forwards and cool-down
+                        backwards stay exposed)
   ZeRO-3 gathers and    FSDP2 issues them on its own streams, the next unit's (or with
   reduce-scatters       parallel.zero_prefetch the next n blocks') while this one computes
   offload host copies   zero 3 + offload=optimizer: the parameter refresh (half the copies)
@@ -107,13 +112,26 @@ def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidde
     return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) + after
 
 
-def hideable_seconds(comm_s: dict, plan, overlap_degree: int, microbatches: int = 1) -> dict:
-    """{kind: seconds of it that can run under compute} (see the lower bound above)."""
+def paired_shares(plan, microbatches: int) -> list:
+    """[share of pipeline rank r's forwards and backwards that run inside a pair] under
+    parallel.a2a_overlap=1f1b (see the lower bound above); zeros without it."""
+    if plan.a2a_overlap != "1f1b" or microbatches < 2:
+        return [0.0] * plan.pp
+    if plan.pp == 1:
+        return [1 - 1 / microbatches]
+    from ..pipeline.overlap import paired_counts
+    counts = paired_counts(plan.pp_schedule, plan.pp, microbatches, plan.stages_per_rank)
+    return [c / (microbatches * plan.stages_per_rank) for c in counts or [0] * plan.pp]
+
+
+def hideable_seconds(comm_s: dict, plan, overlap_degree: int, paired: float = 0.0) -> dict:
+    """{kind: seconds of it that can run under compute} (see the lower bound above);
+    paired: this rank's paired_shares entry."""
     out = {}
     if overlap_degree > 1 and "expert_all_to_all" in comm_s:
         out["expert_all_to_all"] = comm_s["expert_all_to_all"] * (1 - 1 / overlap_degree)
-    if plan.a2a_overlap == "1f1b" and microbatches > 1 and "expert_all_to_all" in comm_s:
-        out["expert_all_to_all"] = comm_s["expert_all_to_all"] * (1 - 1 / microbatches)
+    if paired and "expert_all_to_all" in comm_s:
+        out["expert_all_to_all"] = comm_s["expert_all_to_all"] * paired
     if plan.zero == 3:
         for kind in ("zero_param_gather", "zero_grad_reduce_scatter"):
             if kind in comm_s:

@@ -114,31 +114,7 @@ def test_plan_refuses_unpaired_schedules_short_pipelines_and_unknown_modes():
 # ---- the pairs inside a pipeline schedule (parallel/pipeline/overlap.py) ------------------
 from torch.distributed.pipelining import schedules as ts  # noqa: E402
 
-from parallel.pipeline.overlap import overlapped_order, pairs_of  # noqa: E402
-
-
-def _torch_order(name, pp, m, v):
-    """torch 2.13's compute-only order of schedule `name` for every rank, computed without
-    stages or a process group (only the attributes its order computation reads)."""
-    cls = getattr(ts, name)
-    s = cls.__new__(cls)
-    s.pp_group_size, s._n_microbatches, s.n_local_stages = pp, m, v
-    s._num_stages = s.num_stages = pp * v
-    s.number_of_rounds = max(1, m // pp)
-    s.microbatches_per_round = m // s.number_of_rounds
-    s.stage_index_to_group_rank = ts.generate_stage_to_rank_mapping(
-        pp, pp * v, style="v" if name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop")
-    return s, {r: s._calculate_single_rank_operations(r) for r in range(pp)}
-
-
-def _lowers(s, order, m) -> bool:
-    acts = {r: ts._add_reduce_grad(ts._add_unshard_reshard(a), m) for r, a in order.items()}
-    try:
-        ts._add_send_recv(acts, stage_to_rank=lambda k: s.stage_index_to_group_rank[k],
-                          num_stages=s._num_stages)
-    except AssertionError:
-        return False
-    return True
+from parallel.pipeline.overlap import overlapped_order, paired_counts, pairs_of, torch_order  # noqa: E402
 
 
 def _leaves(actions):
@@ -150,7 +126,7 @@ def _leaves(actions):
 
 
 def test_last_stage_pairs_the_next_forward_with_the_previous_backward():
-    _, order = _torch_order("ScheduleInterleaved1F1B", 2, 4, 1)
+    _, order = torch_order("1f1b", 2, 4, 1)
     got = overlapped_order(order)
     assert [str(a) for a in got[1]] == ["1F0", "(1F1;1B0)OVERLAP_F_B", "(1F2;1B1)OVERLAP_F_B",
                                         "(1F3;1B2)OVERLAP_F_B", "1B3"]
@@ -160,23 +136,18 @@ def test_last_stage_pairs_the_next_forward_with_the_previous_backward():
     assert pairs_of(only_forward_first, 1) == 0  # F(i) B(i) never pair: same micro-batch
 
 
-@pytest.mark.parametrize("name, v", [("ScheduleInterleaved1F1B", 1), ("ScheduleInterleaved1F1B", 2),
-                                     ("ScheduleInterleavedZeroBubble", 2), ("ScheduleZBVZeroBubble", 2),
-                                     ("ScheduleDualPipeV", 2)])
-def test_pairing_keeps_each_rank_order_and_the_plan_rule_matches_torch_lowering(name, v):
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_interleaved", 2),
+                                         ("zbv", 2), ("dualpipev", 2)])
+def test_pairing_keeps_each_rank_order_and_the_plan_rule_matches_torch_lowering(schedule, v):
     """Every action once, forwards and backwards each in their plain order, every pair of two
     micro-batches; and the plan accepts exactly the (pp, microbatches) whose pairing torch's
     lowering can schedule (either order, else forward first), pp 2..6, microbatches up to 3 pp."""
     moe = MoEConfig(num_experts=4, top_k=2).validate()
-    schedule = {"ScheduleInterleaved1F1B": "interleaved_1f1b" if v > 1 else "1f1b",
-                "ScheduleInterleavedZeroBubble": "zb_interleaved", "ScheduleZBVZeroBubble": "zbv",
-                "ScheduleDualPipeV": "dualpipev"}[name]
     for pp in range(2, 7):
         for m in range(2 * pp if schedule in ("zbv", "dualpipev") else pp, 3 * pp + 1):
-            if name == "ScheduleInterleavedZeroBubble" and m % max(1, m // pp):
+            if schedule == "zb_interleaved" and m % max(1, m // pp):
                 continue  # refused by plan.py for zb_interleaved on its own
-            s, order = _torch_order(name, pp, m, v)
-            lowered = False
+            _, order = torch_order(schedule, pp, m, v)
             for either in (True, False):
                 got = overlapped_order(order, either)
                 for r in order:
@@ -190,7 +161,7 @@ def test_pairing_keeps_each_rank_order_and_the_plan_rule_matches_torch_lowering(
                                 a not in order[r]:
                             f, b = a.sub_actions
                             assert f.computation_type == ts.FORWARD and f.microbatch_index != b.microbatch_index
-                lowered = lowered or _lowers(s, got, m)
+            lowered = paired_counts(schedule, pp, m, v) is not None
             try:
                 ParallelPlan(a2a_overlap="1f1b", pp=pp, dp=2, ep=2, pp_schedule=schedule,
                              microbatches=m).validate(2 * pp, moe_cfg=moe)

@@ -158,6 +158,40 @@ def test_overlap_lower_bound():
     assert dp.step_s_min == dp.step_s
 
 
+def test_1f1b_overlap_hides_the_paired_share_of_each_pipeline_rank():
+    """parallel.a2a_overlap=1f1b: without a pipeline all but 1/m of the expert all-to-all
+    hides (m = 4 micro-batches); under pp2 1F1B with 4 micro-batches the order the overlap
+    runs pairs 2 of rank 0's 4 forwards and backwards and 3 of rank 1's
+    (F0 (F1;B0) (F2;B1) (F3;B2) B3), so 1/2 and 3/4 of each stage's all-to-all hide, stretched
+    by the bubble like the rest of the micro-batch work (compute at 1 TFLOP/s covers it)."""
+    import dataclasses
+    from parallel.planner import Hardware, StateCache, predict
+    from parallel.planner.flops import model_costs
+    from parallel.planner.comm import micro_count
+    from parallel.planner.step_time import paired_shares
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+
+    def pred(world, **kw):
+        cfg = load_config(None, ["train.micro_batch_size=2"] if kw.get("pp", 1) == 1 else [])
+        w = workload_from_config(cfg)
+        plan = w.validate(dataclasses.replace(cfg.parallel, **kw), world)
+        return predict(w, plan, Hardware(tflops=1.0), model_costs(w.build_model(), w),
+                       StateCache(w.build_model)), micro_count(w, plan)
+    flat, m = pred(2, dp=2, ep=2, a2a_overlap="1f1b")
+    a2a = flat.rank0().comm_s["expert_all_to_all"]
+    assert m >= 2 and a2a > 0 and flat.step_s_min == pytest.approx(flat.step_s - (1 - 1 / m) * a2a, rel=1e-9)
+    assert flat.rank0().a2a_exposed_s == pytest.approx(a2a / m, rel=1e-9)
+    piped, _ = pred(4, pp=2, dp=2, ep=2, microbatches=4, a2a_overlap="1f1b")
+    assert paired_shares(piped.plan, 4) == [0.5, 0.75]
+    for stage, share in zip(piped.stages, (0.5, 0.75)):
+        a2a = stage.comm_s["expert_all_to_all"]
+        assert a2a > 0 and stage.a2a_exposed_s == pytest.approx((1 - share) * a2a, rel=1e-9)
+        assert stage.step_s_min == pytest.approx(stage.step_s - share * a2a / (1 - piped.bubble), rel=1e-9)
+    plain, _ = pred(4, pp=2, dp=2, ep=2, microbatches=4)
+    assert all(s.a2a_exposed_s == s.comm_s["expert_all_to_all"] for s in plain.stages)
+
+
 def test_a_stage_without_moe_layers_is_planned_under_ep():
     """Default config (MoE blocks 1 and 3), pp=2 interleaved: rank 0 runs blocks 0 and 2, both
     dense, so it books no expert all-to-all and holds no expert bytes; rank 1 does both."""

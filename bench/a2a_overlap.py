@@ -2,7 +2,9 @@
 (parallel/interleave.py: the forward of micro-batch i+1 beside the backward of i).
 
 Shapes: B sequences per rank, S tokens per sequence, D model dim, F expert d_ff, E experts,
-K top-k, m micro-batches per step, P ranks (dp = ep = P).
+K top-k, m micro-batches per step, P ranks (dp = ep = P, or with --pp 2 a pipeline of 2
+stages over P ranks, dp = ep = P/2, the schedule pairing its forwards and backwards:
+parallel/pipeline/overlap.py).
 
 Each of P spawned processes (gloo on CPU, one compute thread; NCCL with one GPU per rank)
 trains a small MoE GPT (every block an MoE block) for a few steps of m micro-batches, the
@@ -16,11 +18,13 @@ Per mode, median over the measured steps, slowest rank:
   handed      waits at which the other micro-batch ran first (1f1b only)
 Gloo runs each collective on a thread of its own, so the overlap is real here; but the
 gloo thread and the compute share 2 CPU cores, so read `waited`, not `step`. The planner's
-rule for the lower bound (parallel/planner/step_time.py): 1f1b hides all but 1/m of the
-expert all-to-all (the first forward's and the last backward's), as far as compute lasts.
+rule for the lower bound (parallel/planner/step_time.py): 1f1b hides the share of the
+expert all-to-all that runs inside a forward/backward pair (all but 1/m without a pipeline;
+a pipeline rank's pairs / m v), as far as compute lasts.
 
-Run:  python bench/a2a_interleave.py          (P=2, m=4, S=128, D=256, F=512, E=8, K=2)
-      python bench/a2a_interleave.py --quick  (toy sizes, seconds)
+Run:  python bench/a2a_overlap.py          (P=2, m=4, S=128, D=256, F=512, E=8, K=2)
+      python bench/a2a_overlap.py --pp 2 --world 4   (pp2 x dp2 x ep2, 1F1B, m=4)
+      python bench/a2a_overlap.py --quick  (toy sizes, seconds)
 """
 import argparse
 import os
@@ -39,12 +43,13 @@ from parallel.apply import parallelize  # noqa: E402
 from parallel.interleave import Baton, run_interleaved  # noqa: E402
 from parallel.mesh import build_meshes  # noqa: E402
 from parallel.plan import ParallelPlan  # noqa: E402
+from parallel.planner.step_time import paired_shares  # noqa: E402
 from tests.dist.harness import run_distributed  # noqa: E402
 
 
 def _model(cfg, dev):
     mc = ModelConfig(vocab_size=256, d_model=cfg["D"], n_layers=cfg["L"], n_heads=4,
-                     d_ff=cfg["F"], max_seq_len=cfg["S"])
+                     d_ff=cfg["F"], max_seq_len=cfg["S"], tie_embeddings=cfg["pp"] == 1)
     moe = MoEConfig(num_experts=cfg["E"], top_k=cfg["K"], every=1)
     torch.manual_seed(0)
     return build_model(mc, moe, device=dev), mc, moe
@@ -56,8 +61,10 @@ def _worker(rank, world, cfg):
     out = {}
     for mode in ("none", "1f1b"):
         model, mc, moe = _model(cfg, dev)
-        plan = ParallelPlan(dp=world, ep=world, a2a_overlap=mode).validate(world, mc, moe)
-        par = parallelize(model, plan, build_meshes(plan))
+        pp, dp = cfg["pp"], world // cfg["pp"]
+        plan = ParallelPlan(pp=pp, dp=dp, ep=dp, microbatches=cfg["m"] if pp > 1 else 0,
+                            a2a_overlap=mode).validate(world, mc, moe)
+        par = parallelize(model, plan, build_meshes(plan), loss_fn=_loss)
         baton = par.baton or Baton()  # none: the same waits, measured, nothing in between
         for _, layer in moe_layers(par.model):
             layer.set_a2a_waiter(baton.wait)
@@ -69,20 +76,21 @@ def _worker(rank, world, cfg):
             xs, ys = tokens[:, :-1].chunk(m), tokens[:, 1:].chunk(m)
 
             def forward(i):
-                logits = par.model(xs[i])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ys[i].flatten())
-                return (loss + collect_aux_loss(par.model)) / m
+                return (_loss(par.model(xs[i]), ys[i]) + collect_aux_loss(par.model)) / m
             dist.barrier()
             baton.take()
             t0 = time.perf_counter()
-            if mode == "1f1b":
+            if pp > 1:  # the schedule runs the micro-batches (paired under 1f1b)
+                par.pipeline_step(tokens[:, :-1], tokens[:, 1:])
+            elif mode == "1f1b":
                 par.set_grad_sync(False)
                 run_interleaved(m, forward, lambda i, t: t.backward(), baton, lambda: par.set_grad_sync(True))
             else:
                 for i in range(m):
                     par.set_grad_sync(i == m - 1)
                     forward(i).backward()
-            par.finish_backward()
+            if pp == 1:
+                par.finish_backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if dev.type == "cuda":
@@ -95,15 +103,20 @@ def _worker(rank, world, cfg):
     return out
 
 
+def _loss(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="toy sizes, seconds")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (1f1b schedule)")
     args = ap.parse_args()
-    cfg = dict(B=8, S=128, D=256, F=512, E=8, K=2, L=4, m=4, warmup=1, iters=4)
+    cfg = dict(B=8, S=128, D=256, F=512, E=8, K=2, L=4, m=4, warmup=1, iters=4, pp=args.pp)
     if args.quick:
         cfg.update(S=32, D=64, F=128, iters=2)
-    print(f"P={args.world} m={cfg['m']} micro-batches of {cfg['B'] // cfg['m']} x {cfg['S']} tokens, "
+    print(f"P={args.world} pp={args.pp} m={cfg['m']} micro-batches of {cfg['B'] // cfg['m']} x {cfg['S']} tokens, "
           f"D={cfg['D']} F={cfg['F']} E={cfg['E']} K={cfg['K']}, {cfg['L']} MoE blocks; median of "
           f"{cfg['iters']} steps (slowest rank)")
     results = run_distributed(_worker, args.world, cfg, timeout=1200)
@@ -116,8 +129,11 @@ def main() -> None:
         print(f"{mode:<6} {step * 1e3:>8.1f} {waited * 1e3:>10.1f} {waited / step:>8.3f} "
               f"{results[0][mode]['waits']:>6} {results[0][mode]['handed']:>7}")
     w = max(r["1f1b"]["waited"] for r in results)
+    plan = ParallelPlan(pp=args.pp, dp=args.world // args.pp, ep=args.world // args.pp,
+                        microbatches=cfg["m"] if args.pp > 1 else 0, a2a_overlap="1f1b")
+    unpaired = [f"{1 - s:.2f}" for s in paired_shares(plan.validate(args.world), cfg["m"])]
     print(f"1f1b leaves {w / base:.2f} of the waited all-to-all time of none exposed "
-          f"(planner's rule: 1/m = {1 / cfg['m']:.2f})")
+          f"(planner's rule, the unpaired share per pipeline rank: {', '.join(unpaired)})")
 
 
 if __name__ == "__main__":
