@@ -132,10 +132,14 @@ class Attention(nn.Module):
                 S, L = q.shape[2], k.shape[2]
                 future_SL = torch.ones(S, L, dtype=torch.bool, device=q.device).triu(1)
                 mask = mask.masked_fill(future_SL, float("-inf"))
-        p = self.dropout if self.training else 0.0
-        o_BHSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                is_causal=causal and mask is None)
+        o_BHSD = self.core(q, k, v, mask, causal and mask is None)
         return self.out(o_BHSD)
+
+    def core(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        """The attention core, softmax(q k^T / sqrt(d) + mask) v with dropout: what
+        parallel.recompute_modules=core_attn recomputes in backward."""
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
 
     def _cached(self, x_BSD, cache):
         """Causal self-attention of S new tokens at positions [P, P+S) after P cached ones."""
@@ -187,17 +191,26 @@ class LatentAttention(Attention):
         if kv_BLD is not None:
             raise ValueError("model.attention='mla' is self-attention only")
         N, R = self.head_dim, self.rope_dim
-        q_lin = self.wq_b(self.q_a_norm(self.wq_a(x_BSD))) if self.q_lora else self.wq(x_BSD)
-        q_nope, q_rot = self._heads(q_lin, N + R).split([N, R], dim=-1)
+        q_a = self.wq_a(x_BSD) if self.q_lora else None
         latent_C, k_rot = self.wkv_a(x_BSD).split([self.kv_rank, R], dim=-1)
-        k_nope, v = self._heads(self.wkv_b(self.kv_norm(latent_C)), N + self.v_dim).split(
-            [N, self.v_dim], dim=-1)
+        q_lin, kv_lin = self.up(x_BSD if q_a is None else q_a, latent_C)
+        q_nope, q_rot = self._heads(q_lin, N + R).split([N, R], dim=-1)
+        k_nope, v = self._heads(kv_lin, N + self.v_dim).split([N, self.v_dim], dim=-1)
         k_rot = k_rot.unsqueeze(1)                                   # [B, 1, S, R]
         if cos_SH is not None:
             q_rot, k_rot = apply_rope(q_rot, cos_SH, sin_SH), apply_rope(k_rot, cos_SH, sin_SH)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         return q, k, v.contiguous()
+
+
+    def up(self, q_in, latent_C) -> tuple:
+        """The up-projections: queries from the query latent (q_lora_rank > 0; else wq from
+        the input itself), per-head keys and values from the normalised kv latent. What
+        parallel.recompute_modules=mla_up_proj recomputes in backward (the normalised
+        latents and the projections are then not kept)."""
+        q_lin = self.wq_b(self.q_a_norm(q_in)) if self.q_lora else self.wq(q_in)
+        return q_lin, self.wkv_b(self.kv_norm(latent_C))
 
 
 def make_attention(m, out_std: float) -> nn.Module:

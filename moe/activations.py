@@ -52,10 +52,13 @@ def clamped_swiglu(h1_nF: torch.Tensor, h3_nF: torch.Tensor, alpha: float, limit
 
 @dataclass(frozen=True)
 class Activation:
-    """`act(h1, h3=None)` -> a; `act.backward(da, h1, h3=None)` -> (dh1, dh3 or None)."""
+    """`act(h1, h3=None)` -> a; `act.backward(da, h1, h3=None)` -> (dh1, dh3 or None).
+    recompute: the expert paths keep h1 (h3) only and compute a again in backward
+    (parallel.recompute_modules=moe_act), instead of keeping it."""
     name: str
     alpha: float = 1.702   # clamped_swiglu only
     limit: float = 7.0     # clamped_swiglu only
+    recompute: bool = False
 
     def __post_init__(self):
         check_activation(self.name)

@@ -3,8 +3,11 @@
 Shapes: N dispatched rows (sorted by expert), n rows of one expert, D model dim, F ffn dim,
 E local experts.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
@@ -51,7 +54,8 @@ class _GroupedFFN(torch.autograd.Function):
     gradient per step, growing with E). Here each expert's output matmul writes straight
     into its rows of y (out=), each weight-gradient matmul into its expert's slice, and the
     backward runs the activation's own backward (moe/activations.py). Saved per expert, like
-    autograd would: the pre-activations h1 (and h3) and the w2 input a.
+    autograd would: the pre-activations h1 (and h3) and the w2 input a (a computed again in
+    backward instead under act.recompute).
     """
 
     @staticmethod
@@ -68,7 +72,7 @@ class _GroupedFFN(torch.autograd.Function):
             h3 = _affine(x, w3[e], _row(b3, e), out=_hidden(x_ND, n, F_, cm)) if gated else None
             a = act(h1, h3)
             _affine(a, w2[e], _row(b2, e), out=y_ND[lo:lo + n])
-            saved += [h1, h3, a]
+            saved += [h1, h3, None if act.recompute else a]
             lo += n
         ctx.counts, ctx.act = counts, act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
@@ -94,6 +98,8 @@ class _GroupedFFN(torch.autograd.Function):
                 continue
             h1, h3, a = saved[i:i + 3]
             i += 3
+            if a is None:  # moe_act: computed again rather than kept
+                a = ctx.act(h1, h3)
             x, dy = x_ND[lo:lo + n], dy_ND[lo:lo + n]
             da_buf = _hidden(x_ND, n, h1.shape[-1], _colmajor_hidden(x_ND, n))
             da = torch.mm(dy, w2[e].t(), out=da_buf)
@@ -159,6 +165,11 @@ class ExpertBank(nn.Module):
         self.b2 = nn.Parameter(torch.empty(num_local, d_model)) if bias else None
         self.b3 = nn.Parameter(torch.empty(num_local, d_ff)) if bias and self.gated else None
         self.reset_parameters()
+
+    def set_recompute_act(self, on: bool) -> None:
+        """Keep only the pre-activations and compute the activation again in backward
+        (parallel.recompute_modules=moe_act)."""
+        self.act = dataclasses.replace(self.act, recompute=on)
 
     @property
     def num_local(self) -> int:
@@ -237,9 +248,17 @@ class ExpertBank(nn.Module):
             h3_nF = None
             if self.gated:
                 h3_nF = x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e])
-            h_nF = self.act(h_nF, h3_nF)
-            outs.append(h_nF @ w2[e] if b2 is None else torch.addmm(b2[e], h_nF, w2[e]))
+            if self.act.recompute:  # moe_act on this path: act and w2 computed again
+                outs.append(checkpoint(_act_out, self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e],
+                                       use_reentrant=False))
+            else:
+                outs.append(_act_out(self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _act_out(act, h_nF, h3_nF, w2_FD, b2_D):
+    a_nF = act(h_nF, h3_nF)
+    return a_nF @ w2_FD if b2_D is None else torch.addmm(b2_D, a_nF, w2_FD)
 
 
 def _plain(x_ND, params, same_dtype: bool = True) -> bool:

@@ -106,7 +106,8 @@ def _add_bias(h_NX, b_EX, expert_N):
 
 
 class _GroupedMMFFN(torch.autograd.Function):
-    """All experts' FFNs as grouped GEMMs; saves h1 (h3) and a, like the loop path."""
+    """All experts' FFNs as grouped GEMMs; saves h1 (h3) and a (not a under act.recompute),
+    like the loop path."""
 
     @staticmethod
     def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3):
@@ -122,13 +123,15 @@ class _GroupedMMFFN(torch.autograd.Function):
         y_ND = _add_bias(_gmm(a, w2, offs_E), b2, expert_N)
         ctx.act = act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
-        ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, a)
+        ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, None if act.recompute else a)
         return y_ND
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_ND):
         x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, a = ctx.saved_tensors
+        if a is None:  # moe_act: computed again rather than kept
+            a = ctx.act(h1, h3)
         dy_ND = dy_ND.contiguous()
         gated = w3 is not None
         da = _gmm(dy_ND, w2.transpose(-2, -1), offs_E)

@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         apply_precision(model, plan.precision)
     if plan.recompute != "none":
         from .recompute import apply_recompute
-        apply_recompute(blocks(model))
+        apply_recompute(blocks(model), plan.recompute, plan.recompute_parts)
     if plan.compile:
         for b in blocks(model):
             b.compile()

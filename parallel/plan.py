@@ -15,6 +15,7 @@ model/MoE/batch sizes, and every error names the field and a fix.
 """
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Union
 
 from .pipeline.layers import parse as parse_layers
 from .pipeline.layers import resolve as resolve_layers
@@ -23,7 +24,10 @@ from .pipeline.schedules import (MULTI_STAGE_SCHEDULES, PP_SCHEDULES, V_SCHEDULE
 
 TP_MODES = ("1d", "2d", "2.5d")
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "full", "selective")
+# parallel.recompute=selective's parts (parallel/recompute.py; Megatron's names)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "mla_up_proj", "shared_experts",
+                     "experts")
 CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "optimizer", "params")
 PARAM_DTYPES = ("fp32", "bf16")
@@ -33,7 +37,7 @@ def _toml(v) -> str:
 
 
 # settings the start-up layout line shows when they differ from the default
-_SHOWN_IF_SET = ("gpus_per_node", "a2a_overlap", "recompute", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
+_SHOWN_IF_SET = ("gpus_per_node", "a2a_overlap", "recompute", "recompute_modules", "compile", "offload", "zero_prefetch", "ps_servers", "ps_staleness", "zeropp_quantize_weights", "zeropp_hpz",
                  "zeropp_quantize_grads")
 
 
@@ -56,7 +60,8 @@ class ParallelPlan:
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
     param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2; under ZeRO-3 FSDP2 gathers and reduces in bf16, its fp32 shards the masters: the ZeRO paper's mixed precision, K=12; needs zero 1-3 and precision=bf16; checkpoints keep the fp32 masters)"})
     a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); under pp > 1 the schedule's neighbouring forward/backward pairs (1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev; parallel/pipeline/overlap.py); same function; two micro-batches' activations live at once; needs ep > 1"})
-    recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward)"})
+    recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward) | selective (only the parts parallel.recompute_modules names)"})
+    recompute_modules: Union[str, list] = field(default="", metadata={"help": "recompute=selective: the parts recomputed in backward, a TOML list or comma-separated: core_attn (attention core), layernorm (the norms' outputs), moe_act (the experts' activation), mlp (dense FFNs), mla_up_proj (MLA's up-projections), shared_experts, experts (the routed experts' GEMMs); parallel/recompute.py"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
     zero_prefetch: int = field(default=0, metadata={"help": "zero 3: explicit FSDP2 prefetch, all-gather the next n blocks' parameters while this one computes (forward) and the previous n (backward); costs n more unsharded blocks of memory; 0 = FSDP2's implicit one-ahead"})
@@ -87,6 +92,11 @@ class ParallelPlan:
         extras = [f"{f.name}={_toml(getattr(self, f.name))}" for f in dataclasses.fields(self)
                   if f.name in _SHOWN_IF_SET and getattr(self, f.name) != f.default]
         return " ".join([s] + extras)
+
+    @property
+    def recompute_parts(self) -> tuple:
+        """parallel.recompute_modules as a tuple of names (after validate())."""
+        return tuple(n for n in str(self.recompute_modules).split(",") if n)
 
     # ---- derived sizes (valid after validate()) ----
     @property
@@ -143,7 +153,9 @@ class ParallelPlan:
         _check_choices(self)
         _check_degrees(self)
         plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size),
-                                   microbatches=self.microbatches or (self.pp if self.pp > 1 else 1))
+                                   microbatches=self.microbatches or (self.pp if self.pp > 1 else 1),
+                                   recompute_modules=",".join(_recompute_parts(self)))
+        _check_recompute(plan)
         _check_ep(plan)
         _check_cp(plan)
         _check_tp_mode(plan)
@@ -189,6 +201,53 @@ def _check_choices(p: ParallelPlan) -> None:
         raise _err(f"parallel.precision='fp16' is not supported with parallel.pp={p.pp} (the loss "
                    f"scale would have to reach every stage's aux losses); use precision='bf16', "
                    f"which needs no loss scaling")
+
+
+def _recompute_parts(p: ParallelPlan) -> list:
+    v = p.recompute_modules
+    names = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    out = []
+    for n in names:
+        n = str(n).strip()
+        if n and n not in RECOMPUTE_MODULES:
+            raise _err(f"parallel.recompute_modules names {n!r}; use any of {', '.join(RECOMPUTE_MODULES)}")
+        if n and n not in out:
+            out.append(n)
+    return out
+
+
+def _check_recompute(p: ParallelPlan) -> None:
+    parts = p.recompute_parts
+    if p.recompute == "selective" and not parts:
+        raise _err("parallel.recompute=selective needs parallel.recompute_modules, e.g. "
+                   "parallel.recompute_modules=layernorm,moe_act")
+    if p.recompute != "selective" and parts:
+        raise _err(f"parallel.recompute_modules={p.recompute_modules} is read by "
+                   f"parallel.recompute=selective only (got recompute={p.recompute}); set "
+                   f"recompute=selective or recompute_modules=''")
+    if "layernorm" in parts and p.tp > 1:
+        raise _err(f"parallel.recompute_modules=layernorm with parallel.tp={p.tp}: the norms' "
+                   f"outputs are gathered over tp before the layers reading them keep them, so "
+                   f"nothing would be freed; drop layernorm or set tp=1")
+    if "core_attn" in parts and p.cp > 1:
+        raise _err(f"parallel.recompute_modules=core_attn with parallel.cp={p.cp}: the context-"
+                   f"parallel attention core exchanges keys and values, which recomputing would "
+                   f"repeat; drop core_attn or set cp=1")
+
+
+def _check_recompute_model(p: ParallelPlan, m, moe_cfg) -> None:
+    """A part the model does not have would be a setting that does nothing: refused."""
+    moe = _has_moe(moe_cfg)
+    dense = not moe or moe_cfg.every != 1 or getattr(moe_cfg, "first_moe_layer", 0) > 0
+    missing = {"mla_up_proj": getattr(m, "attention", "mha") != "mla",
+               "mlp": not dense, "moe_act": not moe, "experts": not moe,
+               "shared_experts": not moe or not getattr(moe_cfg, "num_shared_experts", 0)}
+    for part in p.recompute_parts:
+        if missing.get(part):
+            what = {"mla_up_proj": "model.attention='mla'", "mlp": "a block without MoE",
+                    "shared_experts": "moe.num_shared_experts > 0"}.get(part, "MoE blocks")
+            raise _err(f"parallel.recompute_modules={part}: the model has no {part} (needs {what}); "
+                       f"drop it from parallel.recompute_modules")
 
 
 def _check_degrees(p: ParallelPlan) -> None:
@@ -598,6 +657,7 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         raise _err(f"parallel.ep={p.ep} needs MoE layers (moe.every=0 makes a dense model); set ep=1")
     if p.etp > 1:
         _check_etp_model(p, m, moe_cfg)
+    _check_recompute_model(p, m, moe_cfg)
 
 
 def _check_tp_attention(p: ParallelPlan, m) -> None:

@@ -347,6 +347,9 @@ def check_hf_layout(cfg: Config, plan) -> None:
     _require(not cfg.hf.family or (plan.tp, plan.pp, plan.cp) == (1, 1, 1),
              "hf.family models support data/expert parallelism and ZeRO only; "
              "set parallel.tp=1, parallel.pp=1 and parallel.cp=1")
+    _require(not cfg.hf.family or plan.recompute != "selective",
+             f"parallel.recompute=selective names the parts of moekit's own blocks; the "
+             f"hf.family={cfg.hf.family} model's layers are not those: use parallel.recompute=full")
 
 
 def check_sections(cfg: Config) -> None:

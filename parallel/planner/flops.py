@@ -8,6 +8,10 @@ Forward FLOPs per token = 2 x (matmul weights it passes through) + attention:
   (QK^T and AV; 4 x key length x D for plain multi-head attention; causal masks not
   discounted), key length = the stream's tokens (cross-attention: the encoder's).
 Backward = 2 x forward; full recomputation adds one forward: 3x or 4x forward per step.
+Selective recomputation (parallel.recompute_modules) adds the forward of its parts only:
+experts (their top_k/E share, times the imbalance), shared_experts, mlp (dense FFNs) and
+mla_up_proj (wq_b and wkv_b, or MLA's wq without a query latent) by their matmul weights,
+core_attn by the attention term; layernorm and moe_act are elementwise (counted 0).
 model_flops (TFLOP/s per GPU, MFU) counts 3x, the whole model and batch, no imbalance.
 Per rank: its pipeline stage's blocks (+ head on the last stage), its 1/dp of the batch,
 split over tp (heads, FFN columns, vocabulary, and whole sequences in MoE layers); the
@@ -30,6 +34,7 @@ class Unit:
     expert_params: float = 0.0     # top_k/E of the expert banks' weights
     attention_modules: int = 0
     cross_attention: int = 0
+    parts: dict = field(default_factory=dict)  # recompute part -> its matmul weights (dense)
 
 
 @dataclass
@@ -65,6 +70,30 @@ def model_costs(model, workload) -> ModelCosts:
                 unit.expert_params += p.numel() * top_k / E
             else:
                 unit.dense_params += p.numel()
+                part = _part(mname, workload.model_cfg)
+                if part:
+                    unit.parts[part] = unit.parts.get(part, 0) + p.numel()
+    return out
+
+
+def _part(mname: str, m) -> str | None:
+    """The selective-recomputation part a dense matmul weight belongs to (gpt blocks)."""
+    if ".shared_experts." in mname + ".":
+        return "shared_experts"
+    if mname.endswith(".ffn.bank"):
+        return "mlp"
+    if getattr(m, "attention", "mha") == "mla" and re.search(r"\.attn\.(wq_b|wkv_b|wq)$", mname):
+        return "mla_up_proj"
+    return None
+
+
+def recompute_flops(costs: ModelCosts, workload, unit: Unit, parts, imbalance: float = 1.0) -> float:
+    """Forward FLOPs per token selective recomputation adds to one unit (module docstring)."""
+    out = sum(2 * unit.parts.get(p, 0) for p in parts)
+    if "experts" in parts:
+        out += 2 * unit.expert_params * imbalance
+    if "core_attn" in parts:
+        out += 2 * costs.score_width * workload.stream_tokens.get(unit.stream, 0) * unit.attention_modules
     return out
 
 
@@ -98,13 +127,15 @@ def rank_flops(costs: ModelCosts, workload, plan, state) -> float:
     passes = 4 if plan.recompute == "full" else 3
     seqs = workload.batch_size / plan.dp
     imbalance = workload.imbalance if plan.ep > 1 else 1.0
-    total = 0.0
+    total = extra = 0.0
     for (stream, block), u in costs.units.items():
         if not _on_rank(stream, block, state, plan):
             continue
         tokens = seqs * workload.stream_tokens.get(stream, 0) / plan.cp  # a cp rank's queries; keys: all S
         total += token_flops(costs, workload, u, imbalance) * tokens
-    return passes * total / plan.tp
+        if plan.recompute == "selective":
+            extra += recompute_flops(costs, workload, u, plan.recompute_parts, imbalance) * tokens
+    return (passes * total + extra) / plan.tp
 
 
 def _on_rank(stream, block, state, plan) -> bool:

@@ -24,8 +24,19 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
   dense FFN              2 D + 2 F (3 F gated)
   MoE FFN                2 D + 2 E fp32 (router logits/probs)
                          + r K (3 D + 2 F_e (3 F_e gated))   dispatched rows
+                         + 2 F_s (3 F_s gated)   shared experts, F_s = their d_ff in all
   with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
   recompute=full keeps D per block and rebuilds one block at a time in backward.
+  recompute=selective frees, per token of a block (and rebuilds one block's at a time):
+    layernorm       D per norm the next layers keep in fp32 (under autocast only the MoE
+                    router's fp32 copy, 4/a D; a norm output also read by a checkpointed
+                    mlp / shared_experts stays, held as its input)
+    moe_act         r K F_e + F_s (the activation outputs)
+    experts         r K (2 F_e, 3 F_e gated) (the experts' hidden)
+    shared_experts  2 F_s (3 F_s gated); mlp: 2 F (3 F gated) of a dense block
+    mla_up_proj     q_lora_rank + kv_lora_rank (the normalised latents)
+    core_attn       H x 4/a (the fused kernel's log-sum-exp; its q, k, v and output are
+                    kept by the layers around it)
   Sequence parallelism and MoE sequence splitting divide all of it by tp. The 2-D grid
   (tp_mode 2d/2.5d) is modelled the same way: its gathered matmul inputs (2 T D/(d q) per
   block) are larger than T D/tp, its other tensors are T x/tp (bench/tensor_parallel.py).
@@ -129,8 +140,47 @@ def block_act_elems(w, i: int, stream: str, plan) -> float:
         # per routed row: its input and output D and the expert's hidden; under etp each
         # rank holds the etp rows of its group (etp x D) with 1/etp of the hidden each
         out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * ((2 + plan.etp) * D + hidden)
+        out += (3 if w.gated else 2) * _shared_d_ff(w)
     else:
         out += 2 * D + (3 if w.gated else 2) * m.d_ff
+    return out
+
+
+def _shared_d_ff(w) -> int:
+    return w.moe_cfg.num_shared_experts * w.expert_d_ff
+
+
+def recompute_saved_elems(w, i: int, plan) -> float:
+    """Elements per token (activation dtype) selective recomputation frees in block i (the
+    module docstring's list)."""
+    parts, m, a = set(plan.recompute_parts), w.model_cfg, act_bytes(plan.precision)
+    D, glu = m.d_model, 3 if w.gated else 2
+    moe = w.is_moe_block(i)
+    r = 1.0
+    if moe and plan.ep > 1:
+        r = min(w.imbalance, w.moe_cfg.capacity_factor or w.imbalance)
+    F_s = _shared_d_ff(w) if moe else 0
+    out = 0.0
+    if "layernorm" in parts:
+        held = ("mlp" in parts and not moe) or ("shared_experts" in parts and F_s > 0)
+        if plan.precision == "fp32":
+            out += D + (0 if held else D)
+        elif moe and not held:
+            out += D * 4 / a
+    if moe and "experts" in parts:
+        out += r * w.moe_cfg.top_k * glu * w.expert_d_ff
+    elif moe and "moe_act" in parts:
+        out += r * w.moe_cfg.top_k * w.expert_d_ff
+    if moe and "shared_experts" in parts:
+        out += glu * F_s
+    elif moe and "moe_act" in parts:
+        out += F_s
+    if not moe and "mlp" in parts:
+        out += glu * m.d_ff
+    if "mla_up_proj" in parts and getattr(m, "attention", "mha") == "mla":
+        out += m.q_lora_rank + m.kv_lora_rank
+    if "core_attn" in parts:
+        out += m.n_heads * 4 / a
     return out
 
 
@@ -162,10 +212,18 @@ def activations(w, plan, state, stage: int) -> Activations:
         for i in w.blocks_on(state, plan):
             tokens = seqs * local_tokens(plan, S) / plan.tp
             full = block_act_elems(w, i, stream, plan) * tokens * a
-            kept = w.model_cfg.d_model * tokens * a if plan.recompute == "full" else full
+            kept = full
+            if plan.recompute == "full":
+                kept = w.model_cfg.d_model * tokens * a
+            elif plan.recompute == "selective":
+                kept = full - recompute_saved_elems(w, i, plan) * tokens * a
             per_block[(stream, i)] = (kept, full)
     kept = sum(k for k, _ in per_block.values())
-    rebuild = max((f for _, f in per_block.values()), default=0) if plan.recompute == "full" else 0
+    rebuild = 0  # backward rebuilds one block at a time: all of it, or what selective dropped
+    if plan.recompute == "full":
+        rebuild = max((f for _, f in per_block.values()), default=0)
+    elif plan.recompute == "selective":
+        rebuild = max((f - k for k, f in per_block.values()), default=0)
     chunks = plan.stages_per_rank
     flight = in_flight(plan.pp_schedule, plan.pp, plan.microbatches, stage, chunks)
     if plan.a2a_overlap == "1f1b":  # the forward of i+1 runs while i's activations are held

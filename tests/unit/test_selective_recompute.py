@@ -1,0 +1,127 @@
+"""parallel.recompute=selective (parallel/recompute.py, parallel/output_recompute.py).
+
+Same function: each part, and all the model's parts together, trains 5 AdamW steps (lr 1e-2,
+so differences would grow) to the same losses and gradient norms as no recomputation, bit
+for bit (tolerance 0: the recomputed values are the forward's own operations on the same
+inputs), in fp32 and under bf16 autocast, on a GPT with gated experts, a shared expert and
+dense blocks, and on one with latent attention (MLA).
+
+Memory: the bytes held from forward to backward, measured by torch's profiler over one
+forward (net allocations), drop by what the planner counts for the part
+(parallel/planner/memory.py recompute_saved_elems x tokens x bytes): within 10% for
+layernorm, moe_act, experts, shared_experts and mlp. core_attn: the planner counts the
+fused kernel's log-sum-exp (on a GPU its output shares storage with the output
+projection's input); torch's CPU flash kernel keeps its own [B, H, S, Dv] output besides,
+so here measured lies between the count and the count plus that copy. mla_up_proj: between
+the count (the two normalised latents) and twice it (their norms' statistics and the
+neighbours CPU keeps). And the refusals, one line each.
+"""
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from models import build_model
+from models.blocks import blocks
+from moe.aux import collect_aux_loss
+from parallel.plan import ParallelPlan
+from parallel.planner.memory import recompute_saved_elems
+from parallel.recompute import apply_recompute
+from trainer.config import load_config
+from trainer.planning import workload_from_config
+
+B, S = 8, 16
+GPT = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4",
+       "model.d_ff=64", f"data.seq_len={S}", "model.activation=swiglu", "moe.num_experts=4",
+       "moe.top_k=2", "moe.every=2", "moe.num_shared_experts=1", f"train.batch_size={B}"]
+MLA = GPT + ["model.attention=mla", "model.kv_lora_rank=16", "model.q_lora_rank=24",
+             "model.qk_rope_head_dim=4", "model.head_dim=8"]
+GPT_PARTS = ("core_attn", "layernorm", "moe_act", "mlp", "shared_experts", "experts")
+
+
+def _model(over, parts):
+    cfg = load_config(None, over)
+    model = build_model(cfg.model, cfg.moe, device="cpu", seed=0)
+    if parts:
+        apply_recompute(blocks(model), "selective", parts)
+    return cfg, model
+
+
+def _train(over, parts, bf16=False):
+    _, model = _model(over, parts)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for step in range(5):
+        t = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(step))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(t[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), t[:, 1:].flatten())
+        (loss + collect_aux_loss(model)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+@pytest.mark.parametrize("parts", [(p,) for p in GPT_PARTS] + [GPT_PARTS])
+def test_each_part_equals_no_recomputation(parts):
+    assert _train(GPT, parts) == _train(GPT, ())
+
+
+def test_bf16_autocast_and_mla_equal_no_recomputation():
+    assert _train(GPT, ("layernorm", "moe_act", "core_attn"), bf16=True) == _train(GPT, (), bf16=True)
+    assert _train(MLA, ("mla_up_proj", "layernorm")) == _train(MLA, ())
+
+
+def _held_bytes(over, parts) -> int:
+    _, model = _model(over, parts)
+    t = torch.randint(0, 64, (B, S))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = model(t)
+    del logits
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages())
+
+
+CPU_OUTPUT_COPY = 32 * 4 * 4 * B * S  # H x Dv = D fp32 per token, in each of the 4 blocks
+
+
+@pytest.mark.parametrize("over, part, low, high", [
+    (GPT, "layernorm", 1 / 1.1, 1.1), (GPT, "moe_act", 1 / 1.1, 1.1), (GPT, "experts", 1 / 1.1, 1.1),
+    (GPT, "shared_experts", 1 / 1.1, 1.1), (GPT, "mlp", 1 / 1.1, 1.1), (GPT, "core_attn", 1.0, None),
+    (MLA, "mla_up_proj", 1.0, 2.0)])
+def test_freed_memory_matches_the_planner(over, part, low, high):
+    cfg = load_config(None, over + ["parallel.recompute=selective", f"parallel.recompute_modules={part}"])
+    w = workload_from_config(cfg)
+    plan = w.validate(cfg.parallel, 1)
+    counted = sum(recompute_saved_elems(w, i, plan) for i in range(cfg.model.n_layers)) * B * S * 4
+    measured = _held_bytes(over, ()) - _held_bytes(over, (part,))
+    assert counted > 0 and measured > 0, (counted, measured)
+    high = high if high is not None else (counted + CPU_OUTPUT_COPY) / counted
+    assert low <= measured / counted <= high, (part, measured, counted)
+
+
+@pytest.mark.parametrize("kw, world, match", [
+    (dict(recompute="selective"), 1, r"parallel.recompute=selective needs parallel.recompute_modules"),
+    (dict(recompute_modules="moe_act"), 1, r"is read by parallel.recompute=selective only"),
+    (dict(recompute="selective", recompute_modules="attn"), 1,
+     r"parallel.recompute_modules names 'attn'; use any of core_attn, layernorm"),
+    (dict(recompute="selective", recompute_modules="layernorm", tp=2), 2,
+     r"recompute_modules=layernorm with parallel.tp=2"),
+    (dict(recompute="selective", recompute_modules="core_attn", cp=2), 2,
+     r"recompute_modules=core_attn with parallel.cp=2"),
+])
+def test_refusals(kw, world, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelPlan(**kw).validate(world)
+
+
+def test_parts_the_model_lacks_are_refused_and_lists_are_accepted():
+    cfg = load_config(None, GPT + ["parallel.recompute=selective", "parallel.recompute_modules=mla_up_proj"])
+    w = workload_from_config(cfg)
+    with pytest.raises(ValueError, match=r"recompute_modules=mla_up_proj: the model has no mla_up_proj "
+                                         r"\(needs model.attention='mla'\)"):
+        w.validate(cfg.parallel, 1)
+    plan = ParallelPlan(recompute="selective", recompute_modules=["moe_act", " layernorm", "moe_act"]).validate(1)
+    assert plan.recompute_parts == ("moe_act", "layernorm")
+    cli = load_config(None, ["parallel.recompute=selective", "parallel.recompute_modules=core_attn,moe_act"])
+    assert ParallelPlan(**vars(cli.parallel)).validate(1).recompute_parts == ("core_attn", "moe_act")
