@@ -48,6 +48,8 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     (4, {"dp": 2, "tp": 2, "ep": 2, "zero": 2}),
     (8, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "zero": 1, "microbatches": 2}),
     (2, {"dp": 2, "zero": 3, "recompute": "full"}, SWITCH),  # encoder-decoder, span corruption
+    # selective recomputation: the norms' outputs, the experts' activations and hidden
+    (2, {"dp": 2, "ep": 2, "recompute": "selective", "recompute_modules": "layernorm,moe_act,experts"}),
     # the ZeRO family: offload (host state) with ZeRO++ quantization, and hpZ at world 4
     (2, {"dp": 2, "zero": 3, "offload": "optimizer", "zeropp_quantize_weights": True,
          "zeropp_quantize_grads": True}),
