@@ -46,6 +46,8 @@ def parse_layout(text: str, base, batch_size: int) -> tuple:
             schedule = w
         elif w in ("rc", "recompute"):
             fields["recompute"] = "full"
+        elif w.startswith("rc="):  # selective: rc=layernorm+moe_act
+            fields["recompute"], fields["recompute_modules"] = "selective", w[3:].replace("+", ",")
         elif w in ("ring", "ulysses"):
             fields["cp_mode"] = w
         elif w.startswith("off="):
@@ -56,7 +58,7 @@ def parse_layout(text: str, base, batch_size: int) -> tuple:
             fields["tp_mode"], fields["tp_depth"] = "2.5d", int(w[4:] or 2)
         else:
             raise ValueError(f"--layout: {word!r} is not a layout word (dpN cpN tpN ppN vpN epN "
-                             f"etpN mN mbsN zN rc ring|ulysses off=optimizer|params 2d 2.5dN "
+                             f"etpN mN mbsN zN rc rc=part+part ring|ulysses off=optimizer|params 2d 2.5dN "
                              f"or a schedule: {', '.join(PP_SCHEDULES)})")
     pp = fields.get("pp", base.pp)
     if schedule is None and fields.get("pp_stages_per_rank", 0) > 1:
@@ -82,11 +84,19 @@ def resolve_microbatches(plan, world: int, batch_size: int):
     return dataclasses.replace(plan, microbatches=batch_size // (dp * mbs))
 
 
+# the selective sets the fit search tries: Megatron-Bridge's recipes' (Qwen3: the norms and
+# the activations; DeepSeek-V3: MLA's up-projections and the dense MLPs) and the experts'
+SELECTIVE_SETS = ("layernorm,moe_act", "mla_up_proj,mlp", "layernorm,moe_act,experts")
+
+
 def one_changes(plan) -> list:
     """[(description, fields)]: the single changes that lower a rank's memory."""
     out = [(f"parallel.zero={z}", {"zero": z}) for z in range(plan.zero + 1, 4)]
     if plan.recompute == "none":
         out.append(("parallel.recompute=full", {"recompute": "full"}))
+        for parts in SELECTIVE_SETS:  # a set naming a part the model lacks is refused: skipped
+            out.append((f"parallel.recompute=selective recompute_modules={parts}",
+                        {"recompute": "selective", "recompute_modules": parts}))
     if plan.offload == "none":
         out.append(("parallel.offload=optimizer", {"offload": "optimizer", "zero": max(plan.zero, 1)}))
     for name in ("tp", "pp", "ep", "cp", "etp"):

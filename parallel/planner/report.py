@@ -17,8 +17,10 @@ def layout_name(plan) -> str:
         parts.insert(1, f"cp{plan.cp}" + ("u" if plan.cp_mode == "ulysses" else ""))
     if plan.etp > 1:
         parts.insert(4, f"etp{plan.etp}")
-    if plan.recompute != "none":
+    if plan.recompute == "full":
         parts.append("rc")
+    elif plan.recompute == "selective":
+        parts.append("rc=" + "+".join(plan.recompute_parts))
     if plan.offload != "none":
         parts.append(f"off={plan.offload[:3]}")
     quant = "+".join(n for n, on in (("qwZ", plan.zeropp_quantize_weights),
@@ -111,7 +113,7 @@ def text(result: dict, top: int, hw) -> str:
 
 def _plan_dict(plan) -> dict:
     keys = ("dp", "cp", "cp_mode", "tp", "tp_mode", "tp_depth", "pp", "ep", "etp", "zero",
-            "recompute", "pp_schedule", "microbatches", "pp_layers",
+            "recompute", "recompute_modules", "pp_schedule", "microbatches", "pp_layers",
             "pp_stages_per_rank", "precision", "offload", "zeropp_quantize_weights",
             "zeropp_quantize_grads", "zeropp_hpz", "zero_prefetch")
     return {k: getattr(plan, k) for k in keys}

@@ -208,3 +208,26 @@ def test_a_stage_without_moe_layers_is_planned_under_ep():
     first, second = pred.stages
     assert "expert_all_to_all" not in first.comm_bytes and second.comm_bytes["expert_all_to_all"] > 0
     assert second.model_state["params"]["gpu"] > first.model_state["params"]["gpu"]
+
+
+def test_layout_word_for_selective_recomputation_and_its_memory_between_none_and_full(capsys):
+    """--layout rc=layernorm+moe_act plans parallel.recompute=selective with those parts: a
+    rank's activations fall below none's and stay above full's, the step FLOPs between them;
+    the fit search offers the selective sets beside full recomputation."""
+    import json
+    from parallel.planner.check import one_changes
+    cfg = ROOT / "configs" / "default.toml"
+    preds = {}
+    for word in ("", "rc=layernorm+moe_act", "rc"):
+        assert main(["--config", str(cfg), "--world", "2", "--layout", f"dp2 ep2 {word}", "--json"]) == 0
+        preds[word] = json.loads(capsys.readouterr().out)["layout"]
+    sel = preds["rc=layernorm+moe_act"]
+    assert sel["layout"]["recompute"] == "selective"
+    assert sel["layout"]["recompute_modules"] == "layernorm,moe_act"
+    act = {k: p["ranks"][0]["activation_bytes"] for k, p in preds.items()}
+    assert act["rc"] < act["rc=layernorm+moe_act"] < act[""]
+    step = {k: p["step_s"] for k, p in preds.items()}
+    assert step[""] <= step["rc=layernorm+moe_act"] < step["rc"]
+    from parallel.plan import ParallelPlan
+    changes = [d for d, _ in one_changes(ParallelPlan(dp=2).validate(2))]
+    assert "parallel.recompute=selective recompute_modules=layernorm,moe_act" in changes
