@@ -5,8 +5,13 @@ Forward FLOPs per token = 2 x (matmul weights it passes through) + attention:
   router, shared experts, output head; a tied head counts as the matmul it is); an expert
   bank counts top_k / num_experts of its weights (each token visits K experts);
   attention: 2 x key length x H x (qk width + v width) per token per attention module
-  (QK^T and AV; 4 x key length x D for plain multi-head attention; causal masks not
-  discounted), key length = the stream's tokens (cross-attention: the encoder's).
+  (QK^T and AV; 4 x key length x D for plain multi-head attention), key length = the
+  stream's tokens (cross-attention: the encoder's), halved for causal self-attention (the
+  decoder's: a query sees the keys before it, and the fused kernels skip the masked half).
+This is Megatron-LM's convention for model TFLOP/s (causal attention counted half; its MTP
+layers would count as the blocks they are, moekit builds none; its padded vocabulary is the
+vocabulary of the published runs compared here, all multiples of 128), which the planner
+and train.py's telemetry both report; tokens/s per GPU beside it needs no convention.
 Backward = 2 x forward; full recomputation adds one forward: 3x or 4x forward per step.
 Selective recomputation (parallel.recompute_modules) adds the forward of its parts only:
 experts (their top_k/E share, times the imbalance), shared_experts, mlp (dense FFNs) and
@@ -93,7 +98,8 @@ def recompute_flops(costs: ModelCosts, workload, unit: Unit, parts, imbalance: f
     if "experts" in parts:
         out += 2 * unit.expert_params * imbalance
     if "core_attn" in parts:
-        out += 2 * costs.score_width * workload.stream_tokens.get(unit.stream, 0) * unit.attention_modules
+        causal = 0.5 if unit.stream == "decoder" else 1.0
+        out += 2 * costs.score_width * causal * workload.stream_tokens.get(unit.stream, 0) * unit.attention_modules
     return out
 
 
@@ -107,7 +113,9 @@ def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0)
     S = workload.stream_tokens.get(unit.stream, 0)
     enc = workload.stream_tokens.get("encoder", 0)
     per_token = 2 * (unit.dense_params + unit.expert_params * imbalance)
-    return per_token + 2 * costs.score_width * (S * unit.attention_modules + (enc or S) * unit.cross_attention)
+    causal = 0.5 if unit.stream == "decoder" else 1.0  # the decoder's self-attention
+    return per_token + 2 * costs.score_width * (causal * S * unit.attention_modules
+                                                + (enc or S) * unit.cross_attention)
 
 
 def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:

@@ -45,6 +45,8 @@ class Prediction:
     fits: bool = True
     reason: str = ""
     tflops_per_gpu: float = 0.0  # model FLOPs (flops.model_flops) per GPU per second at step_s
+    tokens_per_s_per_gpu: float = 0.0
+    flops_per_token: float = 0.0  # model FLOPs of a step / its tokens (Megatron's convention)
     mfu: float = None            # tflops_per_gpu / the hardware's peak; None where unknown
 
     def rank0(self) -> StagePrediction:
@@ -143,6 +145,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())
     out.tokens_per_s = tokens / out.step_s if out.step_s > 0 else float("inf")
+    out.tokens_per_s_per_gpu = out.tokens_per_s / plan.world
+    out.flops_per_token = model_flops(costs, w) / tokens if tokens else 0.0
     if out.step_s > 0:
         out.tflops_per_gpu = model_flops(costs, w) / plan.world / out.step_s / 1e12
         out.mfu = out.tflops_per_gpu / hw.peak_tflops if hw.peak_tflops else None

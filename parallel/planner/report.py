@@ -136,6 +136,7 @@ def pred_dict(p) -> dict:
             "reason": p.reason, "peak_bytes": p.peak_bytes,
             "peak_gb": [s.memory["peak"] / GB for s in p.stages], "bubble": p.bubble,
             "step_s": p.step_s, "step_s_min": p.step_s_min, "tokens_per_s": p.tokens_per_s,
+            "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "flops_per_token": p.flops_per_token,
             "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "comm_bytes": comm_by_kind(p),
             "a2a_s": _a2a(p)[0], "a2a_exposed_s": _a2a(p)[1],
             "ranks": [{"rank": s.rank, "model_state_bytes": s.model_state,
