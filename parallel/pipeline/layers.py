@@ -35,9 +35,10 @@ def parse(spec: str) -> object:
         counts = [int(c) for c in text.replace(" ", "").split(",")]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1:
+    if not counts or min(counts) < 0 or 0 in counts[1:-1] or len(counts) < 2 or not any(counts):
         raise ValueError(f"parallel.pp_layers={spec!r} must be '' (even), 'auto' or a comma list "
-                         f"of blocks per stage, each >= 1 (e.g. '3,4,4,3')")
+                         f"of blocks per stage, each >= 1 but the first and the last, which may be "
+                         f"0 (the embedding, or the head and loss, alone: e.g. '0,4,4,3')")
     return counts
 
 
@@ -116,10 +117,9 @@ def resolve(spec: str, num_stages: int, model_cfg, moe_cfg, seq_len) -> str:
                              f"or list the blocks per stage, e.g. parallel.pp_layers="
                              f"{_example(n, num_stages)}")
         counts = [n // num_stages] * num_stages
+    elif parsed == "auto" and n < num_stages:
+        counts = ends_alone(n, num_stages)
     elif parsed == "auto":
-        if n < num_stages:
-            raise ValueError(f"parallel.pp_layers=auto: model.n_layers={n} blocks cannot fill "
-                             f"{num_stages} pipeline stages; lower parallel.pp")
         times, params, embed, (head_t, head_p) = block_weights(
             model_cfg, moe_cfg, seq_len or model_cfg.max_seq_len)
         counts = balanced(times, params, num_stages, (0, embed), (head_t, head_p))
@@ -130,6 +130,17 @@ def resolve(spec: str, num_stages: int, model_cfg, moe_cfg, seq_len) -> str:
                              f"{sum(counts)} blocks; the layout has {num_stages} stages and "
                              f"model.n_layers={n}: give {num_stages} counts summing to {n}")
     return ",".join(str(c) for c in counts)
+
+
+def ends_alone(n: int, num_stages: int) -> list:
+    """auto with fewer blocks than stages: Megatron's account-for-embedding / -loss split,
+    the ends counted as stages of their own: one block a stage, the head and loss alone on
+    the last stage (one block short), the embedding alone on the first too (two short)."""
+    if n < num_stages - 2:
+        raise ValueError(f"parallel.pp_layers=auto: model.n_layers={n} blocks cannot fill "
+                         f"{num_stages} pipeline stages, even with the embedding and the head "
+                         f"and loss as stages of their own; lower parallel.pp")
+    return ([0] if n == num_stages - 2 else []) + [1] * n + [0]
 
 
 def _example(n: int, k: int) -> str:

@@ -47,3 +47,25 @@ def test_interleaved_pipeline_with_a_dense_rank_under_ep(tmp_path, cache):
     assert sorted(got) == [1, 2, 3, 4]
     for step in ref:
         assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+
+
+@pytest.mark.parametrize("layout, shown", [
+    (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_layers=auto"], "pp_layers=0,1,1,0"),
+    (["parallel.pp_layers=0,2"], "pp_layers=0,2"),                             # the embedding alone
+    (["parallel.pp_layers=2,0", "model.tie_embeddings=true"], "pp_layers=2,0")])  # head and loss alone
+def test_stages_without_blocks_train_like_one_process(tmp_path, cache, layout, shown):
+    """Megatron's account-for-embedding / -loss split: a first stage holding only the
+    embedding, a last one holding only the final norm, head and loss (2 blocks; with a tied
+    embedding across the two ends too) train with the one-process losses."""
+    common = TINY + [f"data.cache_dir={cache}", "model.n_layers=2", "moe.every=1", "train.steps=4",
+                     "checkpoint.every=0", "model.tie_embeddings=false"]
+    one, pipe = tmp_path / "one", tmp_path / "pipe"
+    tie = [a for a in layout if a.startswith("model.")]
+    train(common + tie + [f"run.dir={one}"], tmp_path)
+    out = train(common + ["parallel.pp=2", "parallel.microbatches=2"] + layout + [f"run.dir={pipe}"],
+                tmp_path, nproc=2)
+    assert shown in out.stdout + out.stderr
+    ref, got = losses(one), losses(pipe)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in ref:
+        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])

@@ -96,15 +96,32 @@ def test_validate_resolves_the_three_forms():
     (dict(pp=2, microbatches=2), 5, r"model\.n_layers=5 is not divisible by the 2 pipeline stages; set parallel\.pp_layers=auto"),
     (dict(pp=2, microbatches=2, pp_layers="2,2"), 5, r"pp_layers='2,2' lists 2 stages holding 4 blocks"),
     (dict(pp=2, microbatches=2, pp_layers="1,x"), 5, r"pp_layers='1,x' must be '' \(even\), 'auto'"),
-    (dict(pp=2, microbatches=2, pp_layers="0,5"), 5, r"each >= 1"),
+    (dict(pp=4, microbatches=4, pp_layers="2,0,2,1"), 5, r"each >= 1 but the first and the last"),
+    (dict(pp=2, microbatches=2, pp_layers="0,0"), 5, r"each >= 1 but the first and the last"),
     (dict(pp_layers="auto"), 5, r"pp_layers='auto' needs parallel\.pp > 1"),
-    (dict(pp=4, microbatches=4, pp_layers="auto"), 3, r"3 blocks cannot fill 4 pipeline stages"),
+    (dict(pp=4, microbatches=4, pp_layers="auto"), 1, r"1 blocks cannot fill 4 pipeline stages, even with "
+                                                       r"the embedding and the head and loss as stages"),
 ])
 def test_refusals_name_the_field(spec, n, pattern):
     m, e = _cfgs(n_layers=n)
     world = spec.get("pp", 1)
     with pytest.raises(ValueError, match=pattern):
         ParallelPlan(**spec).validate(world, m, e if n >= 2 else None, 8, 16)
+
+
+def test_ends_may_hold_no_block():
+    """Megatron's account-for-embedding / -loss split: with fewer blocks than stages, auto
+    gives the head and loss a stage of their own (one block short) and the embedding too (two
+    short), Qwen3-235B's 94 blocks over PP32 x VP3; an explicit 0 is allowed at either end."""
+    m, e = _cfgs(n_layers=3)
+    assert ParallelPlan(pp=4, microbatches=4, pp_layers="auto").validate(4, m, e, 8, 16).pp_layers == "1,1,1,0"
+    m, e = _cfgs(n_layers=2)
+    assert ParallelPlan(pp=4, microbatches=4, pp_layers="auto").validate(4, m, e, 8, 16).pp_layers == "0,1,1,0"
+    m, e = _cfgs(n_layers=5)
+    assert ParallelPlan(pp=2, microbatches=2, pp_layers="0,5").validate(2, m, e, 8, 16).pp_layers == "0,5"
+    from parallel.pipeline.layers import ends_alone
+    counts = ends_alone(94, 96)
+    assert counts[0] == counts[-1] == 0 and counts[1:-1] == [1] * 94
 
 
 def test_each_pipeline_rank_holds_its_listed_blocks():
