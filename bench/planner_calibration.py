@@ -1,21 +1,33 @@
-"""The planner against published MoE training runs: predicted vs published TFLOP/s per GPU.
+"""The planner against published MoE training runs: predicted vs published tokens/s per GPU.
 
     python bench/planner_calibration.py
 
-Each run is checked with `python -m parallel.planner --layout` on the shipped config of its
-model, the H100 preset (hardware.py, one set of constants, nothing tuned per run) and the
-published layout, global batch and sequence length. Where the layout does not fit in 80 GB
-as given, the planner's smallest fitting change (usually full recomputation) is shown too:
-the published runs recompute selectively, which moekit does not model.
+Each run is predicted by `python -m parallel.planner --layout` on the shipped config of its
+model, the H100 preset (hardware.py: one set of constants, nothing fitted to these runs),
+the published layout, global batch and sequence length, and its features encoded as
+overrides (precision, dispatch, overlap, recomputation). The planner gives two bounds: the
+step with nothing overlapped (`step_s`) and with everything this toolkit overlaps hidden as
+far as compute lasts (`step_s_min`); a run with the all-to-all overlap on is read at the
+lower bound, one without at the upper (where they are equal). Published TFLOP/s are turned
+into tokens/s per GPU with the planner's own FLOPs per token in the same convention as the
+publishers' (Megatron-LM: causal attention counted half; parallel/planner/flops.py), so the
+ratio compares throughput, not FLOP conventions.
 
-Sources (model TFLOP/s as each publisher counts them; every run is token-dropless):
-  NeMo Megatron-Bridge performance summary, DGX-H100, 25.11 container
-      (github.com/NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md): FP8 GEMMs
-      (current scaling), experts force-balanced.
-  DeepSeek-V3 technical report (arXiv 2412.19437): 2.664M H800 GPU-hours of pre-training
-      for 14.8T tokens, PP16 (DualPipe) x EP64 x ZeRO-1 DP on 2048 GPUs, FP8 GEMMs; its
-      TFLOP/s is derived here as 14.8T x (moekit's model FLOPs per token) / 2.664M h.
-      H800 = H100 compute with 400 GB/s NVLink; the H100 preset is used as is.
+Runs (`published` in TFLOP/s per GPU, or tokens/s per GPU where marked):
+  Qwen3-30B-A3B, 16 H100, bf16, EP16, MBS1, GBS 1024, seq 4096: 244 with the expert
+      all-to-all overlap off, 287 with it on (Megatron-Bridge's expert-parallel overlap
+      notes; 0.11% -> 36.55% of the communication time hidden).
+  Qwen3-235B-A22B, 256 H100, bf16, TP2 PP8 VP4 EP32, MBS1, GBS 2048, seq 4096, recomputing
+      the norms and the activations: 245, 276 with the 1F1B all-to-all overlap
+      (Megatron-MoE-ModelZoo's Qwen3 best practice). Differs here: MBS 2 (moekit's MoE under
+      tp splits whole sequences: a micro-batch of 1 cannot be split over tp2) and moe_act
+      only (layernorm recomputation is refused under tp: the norms' outputs are gathered
+      before being kept).
+  DeepSeek-V3, 2048 H800, PP16 (DualPipe) EP64 ZeRO-1, FP8 GEMMs: 2.664M GPU-hours for 14.8T
+      tokens (its report) = 1543 tokens/s per GPU. Encoded: dualpipev with the 1F1B overlap,
+      the dispatch in fp8, once per node to at most 4 nodes, recomputing MLA's
+      up-projections and the norms. The H100 preset stands in for the H800 (same compute,
+      400 GB/s NVLink instead of 900) and bf16 GEMMs for FP8 ones.
 """
 import contextlib
 import io
@@ -27,21 +39,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from commands.plan import main as plan_main  # noqa: E402
 
-# (run, config, world, layout, overrides, published TFLOP/s or None (derived), what differs)
+BF16 = ["parallel.precision=bf16"]
+OVERLAP = ["parallel.a2a_overlap=1f1b"]
+# (run, config, world, layout, overrides, published, unit, what differs from the published run)
 RUNS = [
-    ("Qwen3-30B-A3B, NeMo 25.11", "qwen3_30b_a3b", 16, "pp2 vp24 ep8 mbs2 z1",
-     ["train.batch_size=512"], 121.0, "FP8-CS"),
-    ("Qwen3-235B-A22B, NeMo 25.11", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs2 z1",
-     ["train.batch_size=2048"], 233.0, "FP8-CS; published mbs 1 (moekit's tp MoE needs mbs % tp == 0)"),
-    ("DeepSeek-V3, its report", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
-     [], None, "FP8, DualPipe, H800"),
-    ("DeepSeek-V3, fp8 dispatch", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
-     ["moe.dispatch_dtype=fp8"], None, "as above; the dispatch in FP8 as DeepSeek's"),
-    ("DeepSeek-V3, per-node dispatch", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1",
-     ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical", "moe.max_nodes=4"], None,
-     "as above; once per node, at most 4 nodes, as DeepSeek's"),
+    ("Qwen3-30B-A3B, a2a overlap off", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
+     BF16 + ["train.batch_size=1024", "train.micro_batch_size=1"], 244.0, "TFLOP/s", ""),
+    ("Qwen3-30B-A3B, a2a overlap on", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
+     BF16 + OVERLAP + ["train.batch_size=1024", "train.micro_batch_size=1"], 287.0, "TFLOP/s", ""),
+    ("Qwen3-235B-A22B, overlap off", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs2 z1 rc=moe_act",
+     BF16 + ["train.batch_size=2048"], 245.0, "TFLOP/s", "mbs 2; moe_act only"),
+    ("Qwen3-235B-A22B, overlap on", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs2 z1 rc=moe_act",
+     BF16 + OVERLAP + ["train.batch_size=2048"], 276.0, "TFLOP/s", "mbs 2; moe_act only"),
+    ("DeepSeek-V3, its report", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1 dualpipev rc=mla_up_proj+layernorm",
+     BF16 + OVERLAP + ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical", "moe.max_nodes=4"],
+     14.8e12 / (2.664e6 * 3600), "tokens/s", "H800 as H100; bf16 GEMMs for FP8"),
 ]
-DEEPSEEK_TOKENS, DEEPSEEK_GPU_HOURS = 14.8e12, 2.664e6
 
 
 def check(config: str, world: int, layout: str, overrides: list) -> dict:
@@ -54,27 +67,30 @@ def check(config: str, world: int, layout: str, overrides: list) -> dict:
     return json.loads(out.getvalue())["layout"]
 
 
-def derived_deepseek(pred: dict, world: int) -> float:
-    """DeepSeek-V3's TFLOP/s per GPU from its GPU-hours: the planner's model FLOPs per token."""
-    tokens_per_step = pred["tokens_per_s"] * pred["step_s"]
-    flops_per_token = pred["tflops_per_gpu"] * 1e12 * pred["step_s"] * world / tokens_per_step
-    return DEEPSEEK_TOKENS * flops_per_token / (DEEPSEEK_GPU_HOURS * 3600) / 1e12
+def predicted_tokens_per_gpu(pred: dict, overlap: bool, world: int) -> float:
+    """tokens/s per GPU at the bound this run is read at (see the module docstring)."""
+    step = pred["step_s_min"] if overlap else pred["step_s"]
+    return pred["tokens_per_s"] * pred["step_s"] / step / world
 
 
 def main() -> int:
-    print(f"{'run':30s} {'GPUs':>5s}  {'layout':26s} {'published':>9s}  {'predicted (fits?)':>19s}"
-          f"  {'smallest fitting change':>30s}  pred/pub")
-    for name, config, world, layout, overrides, published, differs in RUNS:
+    print(f"{'run':32s} {'GPUs':>5s}  {'layout':44s} {'published':>10s} {'predicted':>10s}  "
+          f"pred/pub  fits  differs")
+    gains = {}
+    for name, config, world, layout, overrides, published, unit, differs in RUNS:
         pred = check(config, world, layout, overrides)
-        if published is None:
-            published = derived_deepseek(pred, world)
-        fit = pred["fits"]
-        fixed = pred if fit else next(iter(pred["fixes"]), None)
-        change = "-" if fit else (f"{fixed['change']}: {fixed['tflops_per_gpu']:.0f}" if fixed else "none found")
-        best = fixed["tflops_per_gpu"] if fixed else pred["tflops_per_gpu"]
-        print(f"{name:30s} {world:>5d}  {layout:26s} {published:>9.0f}  "
-              f"{pred['tflops_per_gpu']:>13.0f} ({'yes' if fit else 'no'}) {change:>30s}"
-              f"  {best / published:.2f}   [{differs}]")
+        overlap = OVERLAP[0] in overrides
+        got = predicted_tokens_per_gpu(pred, overlap, world)
+        pub = published * 1e12 / pred["flops_per_token"] if unit == "TFLOP/s" else published
+        print(f"{name:32s} {world:>5d}  {layout:44s} {pub:>10.0f} {got:>10.0f}  {got / pub:8.2f}"
+              f"  {'yes' if pred['fits'] else 'no':>4s}  {differs}")
+        model = name.split(",")[0]
+        gains.setdefault(model, {})[overlap] = (got, pub)
+    print("tokens/s per GPU; the overlap's gain (on / off - 1), predicted vs published:")
+    for model, g in gains.items():
+        if len(g) == 2:
+            pred_gain, pub_gain = g[True][0] / g[False][0] - 1, g[True][1] / g[False][1] - 1
+            print(f"  {model}: predicted {pred_gain:+.1%}, published {pub_gain:+.1%}")
     return 0
 
 
