@@ -662,10 +662,10 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
 
 def _check_tp_attention(p: ParallelPlan, m) -> None:
     """1d splits the query and key/value heads tp ways; mla and the grid are not split yet."""
-    if getattr(m, "attention", "mha") == "mla":
-        raise _err(f"parallel.tp={p.tp} with model.attention='mla' is not implemented (the "
-                   f"latent projections would need their own split); set parallel.tp=1 and use "
-                   f"ep/pp/cp/ZeRO, as DeepSeek-V3's own training did")
+    if getattr(m, "attention", "mha") == "mla" and p.tp_mode != "1d":
+        raise _err(f"parallel.tp_mode={p.tp_mode} with model.attention='mla' is not implemented "
+                   f"(the grid splits d_model-wide heads); use tp_mode='1d', which splits MLA's "
+                   f"heads as Megatron does")
     kv = getattr(m, "n_kv_heads", 0)
     if p.tp_mode == "1d" and kv and kv % p.tp:
         raise _err(f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; pick a tp that "

@@ -14,6 +14,9 @@ Each is one collective forward and its adjoint backward, over a group handed in:
                              the embedding); backward all-gathers
   sum_grad(x, g)             identity; backward sums (a replicated weight each rank applies
                              to its own heads: qk_norm under 1d's head split)
+  sum_grad_tail(x, g, n)     identity; backward sums the last n channels' gradient only
+                             (MLA's shared rotary key, which each rank's heads read, beside
+                             the latent, whose gradient arrives summed already)
   swap(x, g, a, b)           all-to-all: block r of dim a goes to rank r, the blocks received
                              are concatenated along dim b (a layout change: 1d's sequence ->
                              batch split before MoE layers, the grid's hidden -> batch);
@@ -95,6 +98,22 @@ def _identity(x, group):
 
 def sum_grad(x, group):
     return _Adjoint.apply(x, _identity, _all_reduce, group)
+
+
+def _all_reduce_tail(g, group, n):
+    g = g.clone()
+    tail = g[..., -n:].contiguous()
+    dist.all_reduce(tail, group=group)
+    g[..., -n:] = tail
+    return g
+
+
+def sum_grad_tail(x, group, n):
+    return _Adjoint.apply(x, _identity_n, _all_reduce_tail, group, n)
+
+
+def _identity_n(x, group, n):
+    return x
 
 
 def gather_replicated(x, group, dim):

@@ -7,6 +7,12 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
               this rank's part, as in sequence parallelism)
   norms       SequenceParallel: run on [B, s, D], weights replicated
   attention   q/k/v column-parallel (heads split), o row-parallel, reduce-scattered to [B, s, D]
+  MLA         the input gathered to [B, S, D] (its gradient arrives whole: every rank's
+              kept block); the down-projections wq_a / wkv_a and the latents' norms
+              replicated; the up-projections wq_b (or wq) and wkv_b column-parallel (heads
+              split; their input gradient all-reduced, so everything before them gets whole
+              gradients), the shared rotary key's gradient summed over tp (each rank's heads
+              read it), o row-parallel as above (Megatron's MLA split)
   dense FFN   w1 (and w3) split along F, w2 along F: all-gather S, matmuls, reduce-scatter S
   MoE FFN     whole sequences split across tp ranks ([B, s, D] -> [b, S, D] by all-to-all):
               every token is routed and computed once, routing groups (sequences) stay whole;
@@ -24,6 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from models.blocks import blocks
+from models.layers import LatentAttention
 from moe import DenseFFN, MoELayer
 
 from . import comm as tp_comm
@@ -135,13 +142,16 @@ def apply_tensor_parallel(model: nn.Module, meshes) -> None:
 
 
 def _shard_block(block, mesh, group) -> None:
-    parallelize_module(block, mesh, {
-        "attn_norm": SequenceParallel(),
-        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-    })
+    if isinstance(block.attn, LatentAttention):
+        _shard_latent_attention(block, mesh, group)
+    else:
+        parallelize_module(block, mesh, {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        })
     if block.attn.q_norm is not None:
         for norm in (block.attn.q_norm, block.attn.k_norm):
             _heads_norm(norm, group)
@@ -151,6 +161,28 @@ def _shard_block(block, mesh, group) -> None:
         _shard_dense_ffn(block.ffn, mesh)
     else:
         raise TypeError(f"tensor parallelism does not know FFN type {type(block.ffn).__name__}")
+
+
+def _shard_latent_attention(block, mesh, group) -> None:
+    """MLA's split (module docstring)."""
+    attn = block.attn
+    parallelize_module(block, mesh, {
+        "attn_norm": SequenceParallel(),
+        "attn.wq_b" if attn.q_lora else "attn.wq": ColwiseParallel(),
+        "attn.wkv_b": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    })
+
+    def gather_input(_mod, args):
+        x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        return (tp_comm.gather_replicated(x, group, 1),) + tuple(args[1:])
+    attn.register_forward_pre_hook(gather_input)
+    wkv_a, rope = attn.wkv_a, attn.rope_dim
+
+    def latent_and_rotary_key(x):
+        return tp_comm.sum_grad_tail(F.linear(x, wkv_a.weight), group, rope)
+    wkv_a.forward = latent_and_rotary_key
 
 
 __all__ = ["apply_tensor_parallel", "Partial"]

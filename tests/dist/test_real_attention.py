@@ -17,7 +17,8 @@ near 4: 1.1e-7 relative, measured 1.0e-7) and ring attention merges its softmax 
 in fp32 (measured 5.7e-9 on the norm): 1e-6, a few fp32 roundings with margin, still 100x
 below the fp32 drift above.
 The qk_norm weights under tp are the case to watch: each tp rank normalises its own heads,
-so their gradient is the sum over tp (a missing sum fails the gradient check by ~2x).
+so their gradient is the sum over tp (a missing sum fails the gradient check by ~2x); under
+MLA the shared rotary key and the replicated down-projections are (parallel/tensor/one_d.py).
 """
 import pytest
 import torch
@@ -34,9 +35,11 @@ MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_
        "head_dim": 8, "v_head_dim": 12}
 
 W2 = [("gqa_qknorm_tp2", dict(tp=2), {"model": GQA}),
+      ("mla_tp2", dict(tp=2), {"model": MLA}),
       ("gqa_qknorm_cp2_ulysses", dict(cp=2, cp_mode="ulysses"), {"model": GQA}),
       ("mla_cp2_ring_ep2", dict(cp=2, ep=2), {"model": MLA})]
 W4 = [("gqa_qknorm_tp2_dp2_ep2_zero1", dict(tp=2, dp=2, ep=2, zero=1), {"model": GQA}),
+      ("mla_tp2_dp2_ep2", dict(tp=2, dp=2, ep=2), {"model": MLA}),
       ("mla_cp2_ulysses_dp2_zero2", dict(cp=2, cp_mode="ulysses", dp=2, zero=2), {"model": MLA}),
       # DeepSeek-V3's shape: dense first blocks, a pipeline stage without experts under ep
       ("mla_pp2_dp2_ep2_dense_first", dict(pp=2, dp=2, ep=2, microbatches=2),

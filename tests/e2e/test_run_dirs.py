@@ -48,7 +48,10 @@ def test_config_error_under_torchrun_is_the_summarys_root_cause(tmp_path):
     line = "error: data.seq_len=31 is not divisible by parallel.tp=2"
     summary = out.stderr[out.stderr.index("Root Cause"):]
     assert line in summary
-    assert "exitcode  : 2" in summary          # the workers' exit code for a config error
+    # the workers' exit code for a config error, on at least one worker's entry: under load
+    # torchrun may stop the other worker (-15) right after it wrote its error file, and the
+    # summary may then name that one the root cause (seen once, 2026-11-27)
+    assert "exitcode  : 2" in out.stderr[out.stderr.index("train.py FAILED"):]
     assert out.returncode != 0
     # never repeated beyond rank 0's own line and one summary entry per worker (the root
     # cause always has it, asserted above; under load torchrun may stop the other worker

@@ -43,7 +43,7 @@ def test_text_output_names_refusals(capsys):
     text = capsys.readouterr().out
     assert "fits (fastest first):" in text
     # the refusals the search reached, counted with validate's own message
-    assert "cannot fill 8 pipeline stages; lower parallel.pp" in text
+    assert "cannot fill 8 pipeline stages, even with the embedding and the head and loss as stages of their own; lower parallel.pp" in text
     assert "parallel.pp_schedule=2bw with parallel.ep/etp > 1" in text
     # a pipeline rank whose blocks are all dense is planned under ep (it used to be refused)
     assert "no MoELayer" not in text
