@@ -203,7 +203,6 @@ class LatentAttention(Attention):
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         return q, k, v.contiguous()
 
-
     def up(self, q_in, latent_C) -> tuple:
         """The up-projections: queries from the query latent (q_lora_rank > 0; else wq from
         the input itself), per-head keys and values from the normalised kv latent. What

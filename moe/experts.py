@@ -248,11 +248,10 @@ class ExpertBank(nn.Module):
             h3_nF = None
             if self.gated:
                 h3_nF = x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e])
-            if self.act.recompute:  # moe_act on this path: act and w2 computed again
-                outs.append(checkpoint(_act_out, self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e],
-                                       use_reentrant=False))
-            else:
-                outs.append(_act_out(self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e]))
+            args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e])
+            # moe_act on this path: the activation and w2 computed again in backward
+            outs.append(checkpoint(_act_out, *args, use_reentrant=False) if self.act.recompute
+                        else _act_out(*args))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

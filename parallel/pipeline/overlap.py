@@ -113,15 +113,22 @@ def _lowers(order: dict, to_rank: dict, m: int) -> bool:
     return True
 
 
+def _first_lowering(order: dict, lowers):
+    """The merged order the overlap runs: pairs in either order, else a forward only with
+    the backward after it, whichever `lowers(merged)` accepts first; None if neither."""
+    for either in (True, False):
+        merged = overlapped_order(order, either)
+        if lowers(merged):
+            return merged
+    return None
+
+
 def paired_counts(schedule: str, pp: int, m: int, v: int) -> list | None:
     """[pairs pipeline rank r runs] under parallel.a2a_overlap=1f1b (the order
     overlap_schedule picks), or None where no pairing lowers."""
     to_rank, order = torch_order(schedule, pp, m, v)
-    for either in (True, False):
-        merged = overlapped_order(order, either)
-        if _lowers(merged, to_rank, m):
-            return [pairs_of(merged, r) for r in range(pp)]
-    return None
+    merged = _first_lowering(order, lambda o: _lowers(o, to_rank, m))
+    return None if merged is None else [pairs_of(merged, r) for r in range(pp)]
 
 
 def overlap_schedule(schedule, baton):
@@ -132,13 +139,15 @@ def overlap_schedule(schedule, baton):
     1F1B); where torch's lowering finds that order cannot be scheduled (the zero-bubble
     orders), a forward only with the backward after it. Every rank lowers every rank's order
     the same way, so all agree."""
-    plain = schedule.pipeline_order
-    for either in (True, False):
-        merged = overlapped_order(plain, either)
+    def lowers(merged) -> bool:  # the last accepted one stays lowered in the schedule
         try:
             schedule._prepare_schedule_with_comms(merged)
         except AssertionError:  # "Malformed compute schedule, can't schedule sends/recvs"
-            continue
+            return False
+        return True
+
+    merged = _first_lowering(schedule.pipeline_order, lowers)
+    if merged is not None:
         schedule.pipeline_order = merged
         schedule.register_custom_function(ts.OVERLAP_F_B, lambda action, ctx: _run_pair(baton, action, ctx))
         return schedule

@@ -98,9 +98,16 @@ def recompute_flops(costs: ModelCosts, workload, unit: Unit, parts, imbalance: f
     if "experts" in parts:
         out += 2 * unit.expert_params * imbalance
     if "core_attn" in parts:
-        causal = 0.5 if unit.stream == "decoder" else 1.0
-        out += 2 * costs.score_width * causal * workload.stream_tokens.get(unit.stream, 0) * unit.attention_modules
+        out += _self_attention_flops(costs, workload, unit)
     return out
+
+
+def _self_attention_flops(costs: ModelCosts, workload, unit: Unit) -> float:
+    """QK^T and AV of the unit's self-attention per token: the stream's tokens as keys,
+    halved for the decoder's (causal) attention."""
+    causal = 0.5 if unit.stream == "decoder" else 1.0
+    S = workload.stream_tokens.get(unit.stream, 0)
+    return 2 * costs.score_width * causal * S * unit.attention_modules
 
 
 def _key(name: str) -> tuple:
@@ -113,9 +120,8 @@ def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0)
     S = workload.stream_tokens.get(unit.stream, 0)
     enc = workload.stream_tokens.get("encoder", 0)
     per_token = 2 * (unit.dense_params + unit.expert_params * imbalance)
-    causal = 0.5 if unit.stream == "decoder" else 1.0  # the decoder's self-attention
-    return per_token + 2 * costs.score_width * (causal * S * unit.attention_modules
-                                                + (enc or S) * unit.cross_attention)
+    return (per_token + _self_attention_flops(costs, workload, unit)
+            + 2 * costs.score_width * (enc or S) * unit.cross_attention)
 
 
 def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:

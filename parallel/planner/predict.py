@@ -146,9 +146,10 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     tokens = w.batch_size * sum(w.stream_tokens.values())
     out.tokens_per_s = tokens / out.step_s if out.step_s > 0 else float("inf")
     out.tokens_per_s_per_gpu = out.tokens_per_s / plan.world
-    out.flops_per_token = model_flops(costs, w) / tokens if tokens else 0.0
+    flops = model_flops(costs, w)
+    out.flops_per_token = flops / tokens if tokens else 0.0
     if out.step_s > 0:
-        out.tflops_per_gpu = model_flops(costs, w) / plan.world / out.step_s / 1e12
+        out.tflops_per_gpu = flops / plan.world / out.step_s / 1e12
         out.mfu = out.tflops_per_gpu / hw.peak_tflops if hw.peak_tflops else None
     out.peak_bytes = max(s.memory["peak"] for s in out.stages)
     if out.peak_bytes > hw.gpu_mem_bytes:

@@ -92,7 +92,7 @@ def all_reduce(x, group):
     return _Adjoint.apply(x, _all_reduce, _all_reduce, group)
 
 
-def _identity(x, group):
+def _identity(x, group, *dims):
     return x
 
 
@@ -109,11 +109,7 @@ def _all_reduce_tail(g, group, n):
 
 
 def sum_grad_tail(x, group, n):
-    return _Adjoint.apply(x, _identity_n, _all_reduce_tail, group, n)
-
-
-def _identity_n(x, group, n):
-    return x
+    return _Adjoint.apply(x, _identity, _all_reduce_tail, group, n)
 
 
 def gather_replicated(x, group, dim):

@@ -142,16 +142,18 @@ def apply_tensor_parallel(model: nn.Module, meshes) -> None:
 
 
 def _shard_block(block, mesh, group) -> None:
-    if isinstance(block.attn, LatentAttention):
-        _shard_latent_attention(block, mesh, group)
+    attn = block.attn
+    if isinstance(attn, LatentAttention):  # the input gathered by a hook (below)
+        heads = {"attn.wq_b" if attn.q_lora else "attn.wq": ColwiseParallel(),
+                 "attn.wkv_b": ColwiseParallel()}
     else:
-        parallelize_module(block, mesh, {
-            "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-        })
+        heads = {"attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                 "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
+    parallelize_module(block, mesh, {"attn_norm": SequenceParallel(), **heads,
+                                     "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+                                     "ffn_norm": SequenceParallel()})
+    if isinstance(attn, LatentAttention):
+        _latent_attention_hooks(attn, group)
     if block.attn.q_norm is not None:
         for norm in (block.attn.q_norm, block.attn.k_norm):
             _heads_norm(norm, group)
@@ -163,17 +165,8 @@ def _shard_block(block, mesh, group) -> None:
         raise TypeError(f"tensor parallelism does not know FFN type {type(block.ffn).__name__}")
 
 
-def _shard_latent_attention(block, mesh, group) -> None:
-    """MLA's split (module docstring)."""
-    attn = block.attn
-    parallelize_module(block, mesh, {
-        "attn_norm": SequenceParallel(),
-        "attn.wq_b" if attn.q_lora else "attn.wq": ColwiseParallel(),
-        "attn.wkv_b": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-    })
-
+def _latent_attention_hooks(attn, group) -> None:
+    """MLA's input gathered, its shared rotary key's gradient summed (module docstring)."""
     def gather_input(_mod, args):
         x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
         return (tp_comm.gather_replicated(x, group, 1),) + tuple(args[1:])
