@@ -16,6 +16,19 @@ ROUTER_KINDS = ("token_choice", "expert_choice")
 BALANCE_LOSSES = ("sequence", "micro_batch", "global_batch")
 
 
+def routes_per_sequence(kind: str, capacity_factor=None, eval_capacity_factor="same",
+                        expert_capacity=None) -> bool:
+    """True when a token's experts depend on the other tokens of its routing group (a
+    capacity, in training or eval, or expert choice): such a layer must be handed whole
+    sequences. Dropless token choice decides each token alone, so any split of the tokens
+    over ranks routes every token as one process does (and its sequence balance loss sums
+    the sequences' statistics over the ranks holding their parts: moe/losses.py)."""
+    if eval_capacity_factor == "same":
+        eval_capacity_factor = capacity_factor
+    return kind != "token_choice" or capacity_factor is not None or \
+        eval_capacity_factor is not None or expert_capacity is not None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python
 
@@ -72,6 +85,12 @@ class RoutingConfig:
         set_("routed_scaling_factor", float(self.routed_scaling_factor))
         set_("logits_dtype", as_dtype(self.logits_dtype, "logits_dtype"))
         set_("score_dtype", as_dtype(self.score_dtype, "score_dtype"))
+
+    @property
+    def routes_per_sequence(self) -> bool:
+        """See routes_per_sequence()."""
+        return routes_per_sequence(self.kind, self.capacity_factor, self.eval_capacity_factor,
+                                   self.expert_capacity)
 
     def _check_basic(self) -> None:
         E, K = self.num_experts, self.top_k

@@ -233,8 +233,10 @@ class MoELayer(nn.Module):
         self.balance.group = group
 
     def set_sequence_group(self, group) -> None:
-        """Ranks holding parts of the same sequences (context parallelism), over which the
-        sequence balance loss sums per-sequence statistics (None: whole sequences here)."""
+        """Ranks holding parts of the same sequences (context parallelism; tensor parallelism's
+        sequence split), over which the sequence balance loss sums per-sequence statistics:
+        a group, a tuple of groups whose ranks together hold each sequence (summed over
+        each in turn), or None (whole sequences here)."""
         self.balance.seq_group = group
 
     def reset_balance_window(self) -> None:

@@ -80,8 +80,9 @@ def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None, seq_grou
 
 def sequence_terms(probs_GSE, ids_GSK, mask_GS=None, seq_group=None):
     """(sum over groups with an unmasked token of their loss, number of such groups, long).
-    With seq_group, counts and token numbers are the whole sequence's (summed over it) and
-    each group's term is seq_group's size x this rank's part (see sequence_balance_loss)."""
+    With seq_group (a group or a tuple of groups), counts and token numbers are the whole
+    sequence's (summed over it) and each group's term is the number of ranks holding parts
+    x this rank's part (see sequence_balance_loss)."""
     G, S, E = probs_GSE.shape
     K = ids_GSK.shape[-1]
     w_GS = _weights_GS(probs_GSE, mask_GS)
@@ -91,12 +92,14 @@ def sequence_terms(probs_GSE, ids_GSK, mask_GS=None, seq_group=None):
                                w_GS.unsqueeze(-1).expand(G, S, K).reshape(G, S * K))
     tokens_G = w_GS.sum(dim=1)
     parts = 1
+    groups = seq_group if isinstance(seq_group, tuple) else (seq_group,)
     if seq_group is not None:
         with torch.no_grad():
             both = torch.cat([counts_GE, tokens_G.detach().unsqueeze(-1)], dim=-1)
-            dist.all_reduce(both, group=seq_group)
+            for group in groups:  # cp, then tp: each sums over its ranks' parts
+                dist.all_reduce(both, group=group)
+                parts *= dist.get_world_size(group)
             counts_GE, tokens_G = both[:, :E], both[:, E]
-        parts = dist.get_world_size(seq_group)
     valid_G = tokens_G > 0
     psum_GE = (probs_GSE * w_GS.unsqueeze(-1)).sum(dim=1)
     n_G = tokens_G.clamp_min(1).unsqueeze(-1)

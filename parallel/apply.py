@@ -69,12 +69,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         from moe.aux import set_balance_group
         set_balance_group(model, meshes.group("pool"))
     if plan.cp > 1:
-        from moe.aux import set_sequence_group
-
         from .context.apply import apply_context_parallel
         chunks = par.pipeline.chunks if par.pipeline is not None else ()
         apply_context_parallel(model, meshes.group("cp"), plan.cp_mode, chunks)
-        set_sequence_group(model, meshes.group("cp"))
+    if meshes is not None:
+        _set_sequence_groups(model, plan, meshes)
     if plan.precision != "fp32":
         from .precision import apply_precision
         apply_precision(model, plan.precision)
@@ -120,6 +119,20 @@ def ranks_per_node(plan: ParallelPlan) -> int | None:
         return plan.zeropp_hpz * plan.tp
     local = os.environ.get("LOCAL_WORLD_SIZE")
     return int(local) if local else None
+
+
+def _set_sequence_groups(model, plan, meshes) -> None:
+    """Each MoE layer's ranks holding parts of its sequences: cp's, and tp's where 1-D tensor
+    parallelism hands it the sequence split (dropless token choice, parallel/tensor/one_d.py);
+    their sequence balance loss sums each sequence's statistics over them."""
+    from moe.aux import moe_layers
+    split_by_tp = plan.tp > 1 and plan.tp_mode == "1d"
+    for _, layer in moe_layers(model):
+        groups = ((meshes.group("cp"),) if plan.cp > 1 else ()) + \
+            ((meshes.group("tp"),) if split_by_tp and not layer.router.config.routes_per_sequence
+             else ())
+        if groups:
+            layer.set_sequence_group(groups if len(groups) > 1 else groups[0])
 
 
 def _tied_embedding(model, meshes):

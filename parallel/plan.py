@@ -2,8 +2,9 @@
 
 Rank layout (outer to inner): pp x dp x tp = world. The dense side uses the mesh
 ("pp", "dp", "tp"). The expert side reuses the same ranks: within one pipeline stage the
-dp*tp ranks form a pool of distinct token streams (under tp, MoE layers split each
-microbatch's sequences across the tp ranks so every token is routed once), and that pool is
+dp*tp ranks form a pool of distinct token streams (under tp, MoE layers route each tp
+rank's part of the sequences, or whole sequences split across the tp ranks where a capacity
+or expert choice needs them: every token is routed once), and that pool is
 regrouped as ("edp", "ep", "etp") with etp innermost (parallel folding: the expert side's
 degrees are independent of the dense side's). So **ep*etp must divide dp*tp** (not only dp):
 ep=2 tp=2 dp=1 puts experts across the tp pair. etp ranks split each expert's d_ff
@@ -16,6 +17,8 @@ model/MoE/batch sizes, and every error names the field and a fix.
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Union
+
+from moe.config import routes_per_sequence
 
 from .pipeline.layers import parse as parse_layers
 from .pipeline.layers import resolve as resolve_layers
@@ -174,7 +177,7 @@ class ParallelPlan:
             if plan.pp > 1 and getattr(model_cfg, "n_layers", None) is not None:
                 plan = dataclasses.replace(plan, pp_layers=_stage_layers(plan, model_cfg, moe_cfg, seq_len))
         if batch_size is not None:
-            _check_batch(plan, batch_size, _has_moe(moe_cfg))
+            _check_batch(plan, batch_size, _has_moe(moe_cfg), _routes_whole_sequences(moe_cfg))
         if seq_len is not None and plan.tp_mode == "1d":
             check_seq_len(seq_len, plan.tp, "data.seq_len")
             check_cp_seq_len(seq_len, plan.cp, plan.tp, "data.seq_len")
@@ -505,6 +508,13 @@ def _check_hpz(p: ParallelPlan) -> None:
                    f"(a node of {h} ranks inside the dp group); use a divisor of {p.dp} below it, or 0")
 
 
+def _routes_whole_sequences(moe_cfg) -> bool:
+    """MoE layers that must be handed whole sequences (moe.config.routes_per_sequence)."""
+    return _has_moe(moe_cfg) and routes_per_sequence(
+        getattr(moe_cfg, "router", "token_choice"), getattr(moe_cfg, "capacity_factor", None),
+        getattr(moe_cfg, "eval_capacity_factor", "same"))
+
+
 def _has_moe(moe_cfg) -> bool:
     return moe_cfg is not None and getattr(moe_cfg, "every", 1) != 0 and \
         getattr(moe_cfg, "num_experts", 0) > 0
@@ -752,7 +762,7 @@ def _check_etp_model(p: ParallelPlan, m, moe_cfg) -> None:
                    f"once per row, not per d_ff slice; set model.bias=false or parallel.etp=1")
 
 
-def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool) -> None:
+def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool, whole_sequences: bool) -> None:
     if batch_size % p.dp:
         raise _err(f"train.batch_size={batch_size} (global, in sequences) is not divisible by "
                    f"parallel.dp={p.dp}; use a multiple of {p.dp}")
@@ -778,7 +788,14 @@ def _check_batch(p: ParallelPlan, batch_size: int, has_moe: bool) -> None:
         raise _err(f"microbatch size {local // mb} sequences is not divisible by {rows} (parallel."
                    f"tp_mode={p.tp_mode} splits the batch over tp_depth x q = {p.tp_depth} x "
                    f"{p.tp_grid} grid rows); raise train.batch_size or lower parallel.microbatches")
-    if p.tp > 1 and has_moe and (local // mb) % p.tp:
+    if p.tp > 1 and p.tp_mode != "1d" and has_moe and (local // mb) % p.tp:
         raise _err(f"microbatch size {local // mb} sequences is not divisible by parallel.tp={p.tp}: "
-                   f"MoE layers split whole sequences across tp ranks so each token is routed once; "
-                   f"raise train.batch_size or lower parallel.microbatches")
+                   f"under tp_mode={p.tp_mode} MoE layers split whole sequences across tp ranks "
+                   f"so each token is routed once; raise train.batch_size or lower "
+                   f"parallel.microbatches")
+    if p.tp > 1 and p.tp_mode == "1d" and whole_sequences and (local // mb) % p.tp:
+        raise _err(f"microbatch size {local // mb} sequences is not divisible by parallel.tp={p.tp}: "
+                   f"MoE layers with a capacity or expert choice route whole sequences, split "
+                   f"across tp ranks; raise train.batch_size, lower parallel.microbatches, or "
+                   f"route dropless token choice (moe.capacity_factor=none), which splits "
+                   f"along the sequence")

@@ -9,7 +9,7 @@ Changed in place (instance attributes: parameter names stay):
   the embedding            learned positions at each token's global position.
 Everything else already works on tokens wherever they are: norms, dense FFNs, MoE layers
 (routing is per token; the sequence balance loss sums its statistics over the cp group,
-moe.aux.set_sequence_group), the loss (each rank's mean over its tokens; the cp ranks'
+parallel/apply.py _set_sequence_groups), the loss (each rank's mean over its tokens; the cp ranks'
 means average to the whole sequence's, all parts being equal).
 Inputs and targets are cut by `split_sequence` (split.py's balanced order) before the model.
 """

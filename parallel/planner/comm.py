@@ -30,7 +30,9 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
   tensor parallel, per micro-batch (activation dtype): embedding all-reduce b S D; per block
     attention gather + reduce-scatter and their backward 2 b (S/tp) D + 2 b S D, a dense FFN
-    the same again, an MoE layer 4 b (S/tp) D (sequence <-> batch all-to-all, both ways);
+    the same again, an MoE layer that routes per sequence 4 b (S/tp) D (sequence <-> batch
+    all-to-all, both ways), one of dropless token choice the sequence balance loss' [E+1]
+    fp32 statistics of the b sequences (it routes tp's sequence split as it is);
     final norm / head gather b (S/tp) D; logits gather b S (V/tp); the sequence split's
     backward gather b (S/tp) D; replicated norm weights' gradient all-reduce; recompute
     repeats the forward collectives of every block
@@ -252,11 +254,17 @@ def _context(w, plan, state, book) -> None:
     else:  # q, k, v and o: twice the key + value width
         a = act_bytes(plan.precision)
         book("a2a", "cp", (2 * (1 + again) + 2) * KV * a * layers * m)
-    moe = w.moe_cfg
-    if w.has_moe() and moe.balance_loss == "sequence":
-        moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))
-        stats = micro_seqs(w, plan) / plan.tp * (moe.num_experts + 1) * 4
-        book("reduce", "cp", stats * moe_layers * (1 + again) * m)
+    if w.has_moe() and w.moe_cfg.balance_loss == "sequence":
+        book("reduce", "cp", _sequence_stats(w, plan, state) * (1 + again) * m)
+
+
+def _sequence_stats(w, plan, state) -> float:
+    """Bytes of one forward's sequence balance-loss statistics over the ranks holding parts
+    of the sequences ([E+1] fp32 per sequence and MoE layer): 1-D tp's sequence split holds
+    every sequence of the micro-batch, the grid's whole-sequence split 1/tp of them."""
+    moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))
+    seqs = micro_seqs(w, plan) / (plan.tp if plan.tp_mode != "1d" else 1)
+    return seqs * (w.moe_cfg.num_experts + 1) * 4 * moe_layers
 
 
 def _tensor(w, plan, state, book, out, events) -> None:
@@ -286,7 +294,10 @@ def _tensor(w, plan, state, book, out, events) -> None:
     out["tensor_parallel"] += dtensor
     events.append(("tensor_parallel", "reduce_scatter_pair", "tp", tp, dtensor))
     again = plan.recompute == "full"             # recomputation repeats the forward ones
-    book("a2a", "tp", (4 + 2 * again) * part * moe_layers * m)   # sequence <-> batch
+    if w.moe_whole_sequences():                  # sequence <-> batch all-to-all
+        book("a2a", "tp", (4 + 2 * again) * part * moe_layers * m)
+    elif w.has_moe() and w.moe_cfg.balance_loss == "sequence":  # the split's statistics
+        book("reduce", "tp", _sequence_stats(w, plan, state) * (1 + again) * m)
     book("reduce", "tp", 4 * (1 + again) * moe_layers * m)        # the MoE aux loss' tp mean
 
 

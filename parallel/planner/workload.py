@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+from moe.config import routes_per_sequence
 from moe.experts import ACTIVATIONS
 
 
@@ -38,6 +39,14 @@ class Workload:
 
     def has_moe(self) -> bool:
         return self.moe_cfg is not None and self.moe_cfg.every > 0 and self.moe_cfg.num_experts > 0
+
+    def moe_whole_sequences(self) -> bool:
+        """MoE layers that route per sequence (a capacity, expert choice:
+        moe.config.routes_per_sequence): 1-D tp hands them whole sequences by an all-to-all,
+        where dropless token choice routes tp's sequence split as it is."""
+        m = self.moe_cfg
+        return self.has_moe() and routes_per_sequence(m.router, m.capacity_factor,
+                                                      m.eval_capacity_factor)
 
     def is_moe_block(self, i: int) -> bool:
         return i in self._moe_ids

@@ -14,8 +14,13 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
               gradients), the shared rotary key's gradient summed over tp (each rank's heads
               read it), o row-parallel as above (Megatron's MLA split)
   dense FFN   w1 (and w3) split along F, w2 along F: all-gather S, matmuls, reduce-scatter S
-  MoE FFN     whole sequences split across tp ranks ([B, s, D] -> [b, S, D] by all-to-all):
-              every token is routed and computed once, routing groups (sequences) stay whole;
+  MoE FFN     dropless token choice (moe.config.routes_per_sequence false): runs on the
+              sequence-split tokens as they are ([B, s, D], Megatron's MoE under sequence
+              parallelism: no exchange, any micro-batch size); the sequence balance loss
+              sums each sequence's statistics over tp (set by parallel/apply.py).
+              A capacity or expert choice decides per sequence: whole sequences are split
+              across tp ranks instead ([B, s, D] -> [b, S, D] by all-to-all, so the batch
+              must divide by tp). Either way every token is routed and computed once;
               router and experts stay plain tensors, reduced over the "pool" (see data.py);
               the layer's aux_loss becomes the tp-mean so the total matches one process.
   output      lm_head column-parallel over V (tied to tok_emb when the model ties them), the
@@ -62,6 +67,19 @@ def moe_layout_hooks(layer: MoELayer, swap_group, tp_group, split_dim: int, cat_
     layer.register_forward_hook(post, prepend=True)
 
 
+def moe_sequence_hooks(layer: MoELayer, tp_group) -> None:
+    """The MoE layer on this rank's part of every sequence: a plain tensor in, the aux loss
+    the tp-mean (prepended for the same reason as moe_layout_hooks')."""
+    def pre(_mod, args):
+        return (local(args[0]),) + tuple(args[1:])
+
+    def post(mod, _args, out):
+        mod.aux_loss = _tp_mean(mod.aux_loss, tp_group)
+
+    layer.register_forward_pre_hook(pre, prepend=True)
+    layer.register_forward_hook(post, prepend=True)
+
+
 def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
     """w1/w3 [1, D, F] split on F, w2 [1, F, D] on F; biases b1/b3 split, b2 replicated."""
     bank = ffn.bank
@@ -99,7 +117,8 @@ def _check_input(model, group) -> None:
     """Fail on shapes the tp split cannot take before the embedding's first collective (a bad
     shape would otherwise abort inside the backend with a size mismatch)."""
     P = dist.get_world_size(group)
-    has_moe = any(isinstance(m, MoELayer) for m in model.modules())
+    whole = any(isinstance(m, MoELayer) and m.router.config.routes_per_sequence
+                for m in model.modules())
 
     def pre(_mod, args):
         B, S = args[0].shape[0], args[0].shape[-1]
@@ -107,10 +126,11 @@ def _check_input(model, group) -> None:
             raise ValueError(f"tensor parallelism: sequence length {S} is not divisible by tp={P} "
                              f"(sequence parallelism splits each sequence into {P} equal parts); "
                              f"use sequences of a multiple of {P} tokens (train.py: data.seq_len)")
-        if has_moe and B % P:
+        if whole and B % P:
             raise ValueError(f"tensor parallelism: batch of {B} sequences is not divisible by tp={P} "
-                             f"(MoE layers split whole sequences across the tp ranks); use a batch "
-                             f"of a multiple of {P} sequences")
+                             f"(MoE layers with a capacity or expert choice route whole sequences, "
+                             f"split across the tp ranks); use a batch of a multiple of {P} "
+                             f"sequences")
     model.tok_emb.register_forward_pre_hook(pre, prepend=True)
 
 
@@ -157,8 +177,10 @@ def _shard_block(block, mesh, group) -> None:
     if block.attn.q_norm is not None:
         for norm in (block.attn.q_norm, block.attn.k_norm):
             _heads_norm(norm, group)
-    if isinstance(block.ffn, MoELayer):
+    if isinstance(block.ffn, MoELayer) and block.ffn.router.config.routes_per_sequence:
         moe_layout_hooks(block.ffn, group, group, split_dim=0, cat_dim=1)
+    elif isinstance(block.ffn, MoELayer):
+        moe_sequence_hooks(block.ffn, group)
     elif isinstance(block.ffn, DenseFFN):
         _shard_dense_ffn(block.ffn, mesh)
     else:

@@ -92,11 +92,26 @@ def test_model_checks_pass_for_a_full_layout():
     (dict(), 4, 6, r"train\.batch_size=6 .* parallel\.dp=4"),
     (dict(pp=2, microbatches=3), 4, 8, r"not divisible by parallel\.microbatches=3"),
     (dict(pp=2, microbatches=1), 2, 8, r"parallel\.microbatches=1 is less than parallel\.pp=2"),
-    (dict(tp=2), 4, 2, r"microbatch size 1 sequences is not divisible by parallel\.tp=2"),
 ])
 def test_batch_errors(kwargs, world, batch, pattern):
     with pytest.raises(ValueError, match=pattern):
         ParallelPlan(**kwargs).validate(world, MODEL, MOE, batch)
+
+
+def test_tp_micro_batch_of_one_needs_dropless_token_choice():
+    """Dropless token choice routes tp's sequence split as it is (any micro-batch size); a
+    capacity (in training or only in eval) or expert choice needs whole sequences per tp rank."""
+    assert ParallelPlan(tp=2).validate(4, MODEL, MOE, 2).tp == 2       # micro-batch 1 at tp2
+    whole = [MoEConfig(num_experts=8, top_k=2, every=2, capacity_factor=1.25),
+             MoEConfig(num_experts=8, top_k=2, every=2, eval_capacity_factor=2.0),
+             MoEConfig(num_experts=8, top_k=2, every=2, router="expert_choice", capacity_factor=1.0)]
+    for moe in whole:
+        with pytest.raises(ValueError, match=r"microbatch size 1 sequences is not divisible by "
+                                             r"parallel\.tp=2: MoE layers with a capacity or "
+                                             r"expert choice route whole sequences"):
+            ParallelPlan(tp=2).validate(4, MODEL, moe, 2)
+    with pytest.raises(ValueError, match=r"under tp_mode=2d MoE layers split whole sequences"):
+        ParallelPlan(tp=4, tp_mode="2d").validate(4, MODEL, MOE, 2)
 
 
 def test_gpipe_accepts_fewer_microbatches_and_dense_tp_needs_no_batch_split():
@@ -234,7 +249,7 @@ def test_zero_bubble_schedules_place_their_stages():
     (dict(tp=4, tp_mode="2d"), 4, {"bias": True}, None, r"tp_mode=2d with model\.bias=true.*model\.bias=false"),
     (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8, {}, 6, r"microbatch size 6 sequences is not "
      r"divisible by 4 \(parallel\.tp_mode=2\.5d splits the batch over tp_depth x q = 2 x 2 grid rows\)"),
-    (dict(tp=4, tp_mode="2d"), 4, {}, 2, r"microbatch size 2 .* by parallel\.tp=4: MoE layers split whole"),
+    (dict(tp=4, tp_mode="2d"), 4, {}, 2, r"microbatch size 2 .* by parallel\.tp=4: under tp_mode=2d MoE layers split whole"),
 ])
 def test_grid_tensor_parallel_refusals_name_the_field(kwargs, world, model_kw, batch, pattern):
     model = ModelConfig(**{**MODEL.__dict__, **model_kw})
