@@ -136,11 +136,13 @@ def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:
     return 3 * total
 
 
-def rank_flops(costs: ModelCosts, workload, plan, state) -> float:
-    """Training FLOPs this rank runs in one optimizer step."""
+def rank_flops(costs: ModelCosts, workload, plan, state, expert_slowdown: float = 1.0) -> float:
+    """Training FLOPs this rank runs in one optimizer step; expert_slowdown > 1 counts the
+    expert GEMMs' FLOPs that many times (step_time.expert_gemm_slowdown: FLOPs at the
+    preset's rate that take as long as the real ones at their shape)."""
     passes = 4 if plan.recompute == "full" else 3
     seqs = workload.batch_size / plan.dp
-    imbalance = workload.imbalance if plan.ep > 1 else 1.0
+    imbalance = (workload.imbalance if plan.ep > 1 else 1.0) * expert_slowdown
     total = extra = 0.0
     for (stream, block), u in costs.units.items():
         if not _on_rank(stream, block, state, plan):

@@ -13,7 +13,8 @@ plus the host link:
           per direction), 400 Gb/s per GPU (DGX B200), PCIe 5 x16
   mi300x  MI300X: 1307 TFLOP/s, 192 GB HBM3, Infinity Fabric 7 links of 64 GB/s per
           direction to the 7 peers (448), 400 Gb/s per GPU, PCIe 5 x16
-(NVIDIA A100/H100/H200/B200 and AMD Instinct MI300X data sheets.)
+(NVIDIA A100/H100/H200/B200 and AMD Instinct MI300X data sheets; HBM bandwidth 2.0, 3.35,
+4.8, 8.0 and 5.3 TB/s.)
 
 How the planner's numbers come from them -- one rule for every preset, nothing per model:
   achievable dense TFLOP/s = peak x GEMM_EFFICIENCY (0.70; bench/gemm_efficiency.py on an
@@ -21,6 +22,12 @@ How the planner's numbers come from them -- one rule for every preset, nothing p
                              matmuls 75.5% / 72.7%, a 16384 x 4096 x 12288 qkv 73.8%,
                              DeepSeek-V3's small expert matmul 56.3%; the step time divides
                              the model's FLOPs by it, so MFU can never exceed 0.70)
+  GEMMs by shape           where the peak is known (presets, --peak-flops): the expert GEMMs
+                             at their per-expert shape (m rows a local expert receives per
+                             micro-batch, k, n) run at gemm_efficiency(m, k, n) of the peak
+                             when that is below GEMM_EFFICIENCY (dense GEMMs, all inside the
+                             measured range in the published layouts, stay at it); the rule
+                             is stated at gemm_efficiency
   collective bandwidth     = link x BUS_EFFICIENCY (0.80: ring/pairwise collectives reach
                              about 80% of the per-direction link rate as bus bandwidth),
                              NVLink/Infinity Fabric inside a node, the NIC between nodes
@@ -28,10 +35,16 @@ How the planner's numbers come from them -- one rule for every preset, nothing p
   MFU                      = model FLOPs per GPU per second / the *peak* (not achievable)
 A custom machine: --flops (achievable), --peak-flops, --gpu-mem, --intra-bw, --inter-bw.
 """
+import math
 from dataclasses import dataclass, replace
 
 GEMM_EFFICIENCY = 0.70
 BUS_EFFICIENCY = 0.80
+# bf16 matmuls measured by bench/gemm_efficiency.py on an H200 (torch 2.11, cuBLAS):
+# (m, k, n, share of the 989 TFLOP/s peak)
+GEMM_MEASURED = ((8192, 8192, 8192, 0.770), (8192, 4096, 14336, 0.755),
+                 (8192, 14336, 4096, 0.727), (4096, 7168, 2048, 0.563),
+                 (16384, 4096, 12288, 0.738))
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,7 @@ class Hardware:
     tflops: float = 150.0           # achievable dense TFLOP/s per GPU
     host_bw_gbs: float = 25.0       # host <-> device copy bandwidth per GPU (GB/s, PCIe 4 x16)
     peak_tflops: float = 0.0        # data-sheet dense bf16 peak (MFU's denominator); 0 = unknown
+    hbm_tbs: float = 0.0            # HBM bandwidth (TB/s; the GEMM roofline); 0 = unknown
     name: str = "custom"
 
     @property
@@ -50,14 +64,47 @@ class Hardware:
         return self.gpu_mem_gb * 1e9
 
 
-# name: (peak dense bf16 TFLOP/s, HBM GB, scale-up GB/s per direction, NIC Gb/s, PCIe GB/s per direction)
+# name: (peak dense bf16 TFLOP/s, HBM GB, scale-up GB/s per direction, NIC Gb/s, PCIe GB/s
+# per direction, HBM TB/s)
 DATA_SHEETS = {
-    "a100": (312.0, 80.0, 300.0, 200.0, 32.0),
-    "h100": (989.0, 80.0, 450.0, 400.0, 64.0),
-    "h200": (989.0, 141.0, 450.0, 400.0, 64.0),
-    "b200": (2250.0, 180.0, 900.0, 400.0, 64.0),
-    "mi300x": (1307.0, 192.0, 448.0, 400.0, 64.0),
+    "a100": (312.0, 80.0, 300.0, 200.0, 32.0, 2.039),
+    "h100": (989.0, 80.0, 450.0, 400.0, 64.0, 3.35),
+    "h200": (989.0, 141.0, 450.0, 400.0, 64.0, 4.8),
+    "b200": (2250.0, 180.0, 900.0, 400.0, 64.0, 8.0),
+    "mi300x": (1307.0, 192.0, 448.0, 400.0, 64.0, 5.3),
 }
+
+
+def _log_flops(m, k, n) -> float:
+    return math.log10(2.0 * m * k * n)
+
+
+def gemm_efficiency(m: float, k: float, n: float, hw: "Hardware" = None) -> float:
+    """Share of the peak a bf16 GEMM [m, k] x [k, n] reaches, by this rule between the
+    GEMM_MEASURED points: piecewise linear in log10(FLOPs) between them (points of equal
+    FLOPs averaged), the largest point's share above them, the smallest point's below them;
+    and, where hw knows its peak and HBM bandwidth, never above the memory roofline: the
+    FLOPs over the peak, divided by the longer of that time at the share and the time to
+    move its operands and result (2 bytes each) through HBM."""
+    pts = {}
+    for pm, pk, pn, share in GEMM_MEASURED:
+        pts.setdefault(pm * pk * pn, []).append(share)
+    ys = [sum(pts[f]) / len(pts[f]) for f in sorted(pts)]
+    xs = [_log_flops(f, 1, 1) for f in sorted(pts)]
+    x = _log_flops(max(m, 1), max(k, 1), max(n, 1))
+    if x <= xs[0]:
+        share = ys[0]
+    elif x >= xs[-1]:
+        share = ys[-1]
+    else:
+        i = next(j for j in range(1, len(xs)) if x <= xs[j])
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        share = ys[i - 1] + t * (ys[i] - ys[i - 1])
+    if hw is not None and hw.peak_tflops and hw.hbm_tbs:
+        flops, nbytes = 2.0 * m * k * n, 2.0 * (m * k + k * n + m * n)
+        at_peak = flops / (hw.peak_tflops * 1e12)
+        share = at_peak / max(at_peak / share, nbytes / (hw.hbm_tbs * 1e12))
+    return share
 
 
 def preset(name: str, gpus_per_node: int = 8) -> Hardware:
@@ -65,11 +112,11 @@ def preset(name: str, gpus_per_node: int = 8) -> Hardware:
     if name not in DATA_SHEETS:
         raise ValueError(f"--hw {name!r} is not a preset; use one of {', '.join(DATA_SHEETS)} "
                          f"(or give --flops/--gpu-mem/--intra-bw/--inter-bw)")
-    peak, mem, link, nic_gbit, pcie = DATA_SHEETS[name]
+    peak, mem, link, nic_gbit, pcie, hbm = DATA_SHEETS[name]
     return Hardware(gpu_mem_gb=mem, gpus_per_node=gpus_per_node,
                     intra_bw_gbs=link * BUS_EFFICIENCY, inter_bw_gbs=nic_gbit / 8 * BUS_EFFICIENCY,
                     tflops=peak * GEMM_EFFICIENCY, host_bw_gbs=pcie * BUS_EFFICIENCY,
-                    peak_tflops=peak, name=name)
+                    peak_tflops=peak, hbm_tbs=hbm, name=name)
 
 
 def with_overrides(hw: Hardware, **given) -> Hardware:

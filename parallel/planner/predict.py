@@ -11,7 +11,8 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
-from .step_time import (a2a_by_node, comm_seconds, exposed_a2a_seconds, hideable_seconds, paired_shares,
+from .step_time import (a2a_by_node, comm_seconds, expert_gemm_slowdown, exposed_a2a_seconds,
+                        hideable_seconds, paired_shares,
                         host_seconds, node_size, stage_seconds, wire_bytes)
 
 
@@ -125,11 +126,13 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
                                                    plan.stages_per_rank))
     d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
     paired = paired_shares(plan, micro_count(w, plan))
+    slowdown = expert_gemm_slowdown(w, plan, hw)
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
         acts = activations(w, plan, state, stage)
         comm, events = step_comm(w, plan, state, node_size(plan, hw))
         flops = rank_flops(costs, w, plan, state)
+        timed = rank_flops(costs, w, plan, state, slowdown) if slowdown > 1 else flops
         comm_s = comm_seconds(events, plan, rank, hw)
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)
@@ -138,9 +141,9 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
             flops, comm_s,
-            stage_seconds(flops, comm_s, out.bubble, hw),
-            stage_seconds(flops, comm_s, out.bubble, hw, hidden),
-            a2a_by_node(events), exposed_a2a_seconds(flops, comm_s, hw, hidden)))
+            stage_seconds(timed, comm_s, out.bubble, hw),
+            stage_seconds(timed, comm_s, out.bubble, hw, hidden),
+            a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

@@ -336,6 +336,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
     (_stage_sizes); and the mean stage's with the whole model's gradient bytes over pp."""
     from .comm import micro_count
     from .flops import rank_flops
+    from .step_time import expert_gemm_slowdown
     bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
     s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp)
     if sync_factor is None:
@@ -345,8 +346,9 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
         return sum(t * f for t, f in zip(sync_seconds(s, held, hw, stages_over), sync_factor))
     held = [sizes] if plan.pp == 1 else _stage_sizes(_block_bytes(w), stages)
     xs, worst = [], 0.0
+    slowdown = expert_gemm_slowdown(w, plan, hw)
     for st, own in zip(stages, held):
-        compute = rank_flops(costs, w, plan, st) / (hw.tflops * 1e12)
+        compute = rank_flops(costs, w, plan, st, slowdown) / (hw.tflops * 1e12)
         stretched, rest = inside_seconds(w, plan, st, hw)
         xs.append((compute + stretched) / (1 - bubble) + rest)
         worst = max(worst, xs[-1] + sync(own, 1))

@@ -1,7 +1,9 @@
 """Step time from FLOPs and bandwidths: an upper bound (nothing overlaps) and a lower bound
 (what this toolkit overlaps hides perfectly behind compute).
 
-  t_compute  = rank FLOPs / (--flops, the achievable dense TFLOP/s of one GPU)
+  t_compute  = rank FLOPs / (--flops, the achievable dense TFLOP/s of one GPU), the expert
+               GEMMs' FLOPs stretched by expert_gemm_slowdown where their per-expert shape
+               runs below the preset's GEMM efficiency (hardware.gemm_efficiency)
   t_x        = wire bytes of collective x / bandwidth of its group, where a group within one
                node (--gpus-per-node consecutive ranks) uses --intra-bw and any other
                --inter-bw (GB/s per GPU); wire bytes from the ledger payload of a ring/
@@ -42,7 +44,8 @@ after backward), the gradient-norm all-reduce and offload's gradient copies stay
 The truth on a GPU lies between the two bounds; neither is a measurement.
 """
 from ..mesh import rank_groups
-from .hardware import Hardware
+from .hardware import GEMM_EFFICIENCY, Hardware, gemm_efficiency
+from .memory import micro_seqs
 
 INSIDE_STEP = {"tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
                "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
@@ -150,3 +153,27 @@ def host_seconds(plan, state, microbatches: int, hw: Hardware) -> float:
     if plan.offload == "params":
         nbytes = state.params.bytes * (2 * microbatches + 1)
     return nbytes / (hw.host_bw_gbs * 1e9)
+
+
+def expert_rows(w, plan) -> float:
+    """Rows one local expert receives per micro-batch (the m of its GEMMs): this rank's
+    tokens x top_k spread over the experts, from the ep x etp ranks that send to it (etp
+    gathers its group's rows), times the stated routing imbalance."""
+    moe = w.moe_cfg
+    tokens = micro_seqs(w, plan) * w.stream_tokens.get("decoder", 0) / (plan.cp * plan.tp)
+    imbalance = w.imbalance if plan.ep > 1 else 1.0
+    return tokens * moe.top_k * plan.ep * plan.etp / moe.num_experts * imbalance
+
+
+def expert_gemm_slowdown(w, plan, hw: Hardware) -> float:
+    """Time of the routed experts' GEMMs at their shape over their time at the preset's
+    GEMM_EFFICIENCY (>= 1; 1 where the peak is unknown: the measured shares are of the peak).
+    Up-projections [m, D] x [D, F/etp] (two when gated), the down-projection [m, F/etp] x
+    [F/etp, D]; backward's GEMMs share their forward's shape class."""
+    if not w.has_moe() or not hw.peak_tflops:
+        return 1.0
+    m, D, F = expert_rows(w, plan), w.model_cfg.d_model, w.expert_d_ff / plan.etp
+    ups = 2 if w.gated else 1
+    slow = [max(1.0, GEMM_EFFICIENCY / gemm_efficiency(m, D, F, hw))] * ups + \
+        [max(1.0, GEMM_EFFICIENCY / gemm_efficiency(m, F, D, hw))]
+    return sum(slow) / len(slow)
