@@ -12,17 +12,22 @@ The transforms, applied in this order (and undone in reverse):
            full [E, ...] tensor, so DCP reshards them for any other ep/etp
   2bw      PipeDream-2BW's gradient not yet applied rides along (OPTIONAL_PREFIXES: loaded
            only when the checkpoint has it)
-and ZeRO-1/2's optimizer, which steps private flat slices, is saved gathered into the
-parameter-shaped, name-keyed form get_state_dict gives for the other layouts.
+ZeRO-1/2's optimizer steps private flat slices: its state (and, under bf16 parameters, the
+fp32 masters in the parameters' places) is described to DCP as this rank's pieces of the
+name-keyed, parameter-shaped tensors the other layouts save (data_parallel/zero_shards.py):
+written where it lies, loaded straight back into the slices, never gathered. ZeRO-3 with
+offload=optimizer keeps its state shaped like the FSDP2 shards, saved as DTensors.
 trainer/checkpoint.py writes and reads the files; it knows none of this.
 """
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 from moe.aux import moe_layers
 from moe.expert_tp import FFN_DIMS
 
+from .data_parallel.zero_shards import pieces_to_host, slice_shards
 from .dtensors import like_param, local
 
 PENDING, FLAG = "pipeline_2bw_pending_grad.", "_present"
@@ -55,59 +60,150 @@ def transforms(par):
 
 
 def layout_state(par, optimizer, for_load: bool = False) -> dict:
-    """Collective under ZeRO-1/2: {"model", "optim"} state dicts in the layout-free form."""
+    """{"model", "optim"} state dicts in the layout-free form (no communication; for_load:
+    the tensors a DCP load fills in place)."""
     model, zero = par.model, par.zero
     if zero is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
     else:
         if for_load:
             zero.init_optimizer_state(optimizer)  # the load fills existing state tensors
-        model_sd = _with_masters(model, zero, get_model_state_dict(model), for_load)
-        optim_sd = _zero_optim_state(model, optimizer, zero)
-        missing = [k for k in optim_sd["state"] if k not in model_sd]
-        if missing:
-            raise RuntimeError(f"ZeRO optimizer state names {missing[:3]} are not model state "
-                               f"names; state_dict._param_name must map them")
+        model_sd = get_model_state_dict(model)
+        if _slices(zero):
+            blocks = _global_blocks(par)
+            optim_sd = _zero_optim_pieces(model, optimizer, zero, blocks)
+            _check_names(optim_sd, model_sd)
+            model_sd = _with_master_pieces(model, zero, model_sd, blocks)
+        else:
+            optim_sd = _zero_optim_state(model, optimizer, zero)
+            _check_names(optim_sd, model_sd)
     transform, _ = transforms(par)
     model_sd, optim_sd = transform(model_sd, optim_sd)
     return {"model": model_sd, "optim": optim_sd}
 
 
 def set_layout_state(par, optimizer, state: dict) -> None:
-    """Put a loaded layout_state back: model, optimizer (ZeRO-1/2: into the slices, then the
-    master slices refreshed from the loaded parameters)."""
+    """Put a loaded layout_state back: model, optimizer (ZeRO-1/2: the slices were loaded in
+    place; the parameters then come from the masters, or the slices from the parameters)."""
     _, untransform = transforms(par)
     model_sd, optim_sd = untransform(state["model"], state["optim"])
     if par.zero is None:
         set_state_dict(par.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        return
+    if _slices(par.zero):
+        _set_model_and_slices(par, model_sd)
+        _set_zero_optim_pieces(par.model, optimizer, par.zero, optim_sd)
     else:
         set_model_state_dict(par.model, model_sd)
         _set_zero_optim_state(par.model, optimizer, par.zero, optim_sd)
-        if par.zero.holds_masters():  # the fp32 masters as saved, not the bf16 parameters
-            par.zero.load_full_masters({id(p): local(model_sd[n]) for n, p in _named(par.model)
-                                        if n in model_sd})
-        else:
-            par.zero.refresh_from_params()
+        par.zero.refresh_from_params()
+
+
+def host_copy(state):
+    """The layout_state copied to host memory, for an async save to write while training goes
+    on (DCP's own stager cannot copy ZeRO-1/2's pieces): tensors cloned, DTensors and pieces
+    with cloned local parts, everything else as it is."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [host_copy(v) for v in state]
+    if isinstance(state, ShardedTensor):
+        return pieces_to_host(state)
+    if isinstance(state, DTensor):
+        return DTensor.from_local(state.to_local().detach().to("cpu", copy=True), state.device_mesh,
+                                  state.placements, run_check=False, shape=state.shape,
+                                  stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    return state
+
+
+class AlreadyStaged:
+    """dcp.async_save's stager for a host_copy: nothing left to copy."""
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _check_names(optim_sd: dict, model_sd: dict) -> None:
+    missing = [k for k in optim_sd["state"] if k not in model_sd]
+    if missing:
+        raise RuntimeError(f"ZeRO optimizer state names {missing[:3]} are not model state "
+                           f"names; state_dict._param_name must map them")
 
 
 def _named(model):
     return model.named_parameters(remove_duplicate=False)
 
 
-def _with_masters(model, zero, model_sd: dict, for_load: bool) -> dict:
-    """Under bf16 parameters (ZeRO-1/2 fp32 masters): the model state with each parameter's
-    fp32 master in its place (collective: gathered from the slices), or for a load an fp32
-    tensor of its shape for DCP to fill (set_layout_state puts it into the masters)."""
+def _slices(zero) -> bool:
+    """ZeRO-1/2's flat slices (zero.ZeroState), not ZeRO-3 offload's shard-shaped masters."""
+    return zero.stage in (1, 2)
+
+
+def _set_model_and_slices(par, model_sd: dict) -> None:
+    """Collective under bf16 parameters (the masters, loaded into the slices, gathered into
+    the parameters); else the loaded parameters and the master slices copied from them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    plain = {k: v for k, v in model_sd.items() if not isinstance(v, ShardedTensor)}
+    set_model_state_dict(par.model, plain, options=StateDictOptions(strict=False))
+    if par.zero.holds_masters():
+        par.zero.gather_params()
+    else:
+        par.zero.refresh_from_params()
+
+
+def _global_blocks(par) -> dict:
+    """{id(local parameter): (full shape, offset of the local tensor in it)}: tensor-parallel
+    DTensors' blocks, expert-parallel ranks' experts (as _experts wraps them), else whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    wrap = None
+    if par.meshes is not None and (par.plan.ep > 1 or par.plan.etp > 1):
+        _, wrap = _expert_wrapper(par.model, par.meshes)
+    experts = {id(p): f"{lname}.experts.{pname}" for lname, layer in moe_layers(par.model)
+               for pname, p in layer.experts.named_parameters()}
+    out = {}
+    for p in par.model.parameters():
+        t, d = local(p), p if isinstance(p, DTensor) else None
+        if wrap is not None and id(p) in experts:
+            d = wrap(experts[id(p)], torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        if d is None:
+            out[id(p)] = (tuple(t.shape), (0,) * t.dim())
+        else:
+            _, offset = compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
+            out[id(p)] = (tuple(d.shape), tuple(offset))
+    return out
+
+
+def _pieces_of(flat, p, start, blocks):
+    shape, offset = blocks[id(p)]
+    return slice_shards(flat, tuple(local(p).shape), start, shape, offset)
+
+
+def _with_master_pieces(model, zero, model_sd: dict, blocks: dict) -> dict:
+    """Under bf16 parameters (fp32 masters in ZeRO-1/2 slices): each parameter's entry is its
+    master's slice (zero_shards.py), dropped where this rank's slice is all padding."""
     if not zero.holds_masters():
         return model_sd
-    masters = {} if for_load else zero.full_masters()
-    out = dict(model_sd)
+    out, names = dict(model_sd), {}
     for name, p in _named(model):
-        if name in out and id(p) in zero.shard_of:
-            full = masters.get(id(p))
-            if full is None:
-                full = torch.empty(local(p).shape, dtype=zero.shard_of[id(p)].dtype, device=local(p).device)
-            out[name] = like_param(full, p)
+        names.setdefault(id(p), []).append(name)
+    for p, master, start, _ in zero.pieces():
+        pieces = _pieces_of(master.detach(), p, start, blocks)
+        for name in names.get(id(p), []):
+            if name in out:
+                out.pop(name)
+                if pieces is not None:
+                    out[name] = pieces
     return out
 
 
@@ -115,8 +211,8 @@ def weights_state(par) -> dict:
     """The model weights alone in the layout-free form, to load into (set_weights_state)."""
     transform, _ = transforms(par)
     model_sd = get_model_state_dict(par.model)
-    if par.zero is not None:
-        model_sd = _with_masters(par.model, par.zero, model_sd, for_load=True)
+    if par.zero is not None and _slices(par.zero):
+        model_sd = _with_master_pieces(par.model, par.zero, model_sd, _global_blocks(par))
     return transform(model_sd, NO_OPTIM)[0]
 
 
@@ -125,12 +221,11 @@ def set_weights_state(par, model_sd: dict) -> None:
     master copies the optimizer steps (else its first step would write the old ones back)."""
     _, untransform = transforms(par)
     model_sd = untransform(model_sd, NO_OPTIM)[0]
-    set_model_state_dict(par.model, model_sd)
-    if par.zero is None:
+    if par.zero is not None and _slices(par.zero):
+        _set_model_and_slices(par, model_sd)
         return
-    if par.zero.holds_masters():
-        par.zero.load_full_masters({id(p): local(model_sd[n]) for n, p in _named(par.model) if n in model_sd})
-    else:
+    set_model_state_dict(par.model, model_sd)
+    if par.zero is not None:
         par.zero.refresh_from_params()
 
 
@@ -184,29 +279,8 @@ def _experts(model, meshes):
     rank's coordinates). untransform gives back DTensors laid out like the parameter, on the
     same local storage.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    plan = meshes.plan
-    mesh = meshes.expert["edp", "ep", "etp"]
-    params = {f"{lname}.experts.{pname}": p for lname, layer in moe_layers(model)
-              for pname, p in layer.experts.named_parameters()}
-    ep_edp = _ep_major_mesh(meshes) if any(isinstance(p, DTensor) for p in params.values()) else None
-
-    def wrap(name, t):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            return t
-        pname = name.rpartition(".")[2]
-        ffn_dim = FFN_DIMS.get(pname) if plan.etp > 1 else None
-        shape = [t.shape[0] * plan.ep, *t.shape[1:]]
-        if ffn_dim is not None:
-            shape[ffn_dim] *= plan.etp
-        stride = torch.empty(shape, device="meta").stride()
-        etp = Replicate() if ffn_dim is None else Shard(ffn_dim)
-        if isinstance(t, DTensor):  # ZeRO-3: an FSDP2 shard (over edp) of the local experts
-            (fsdp,) = t.placements
-            return DTensor.from_local(t.to_local(), ep_edp, [Shard(0), etp, fsdp], run_check=False,
-                                      shape=tuple(shape), stride=stride)
-        return DTensor.from_local(t, mesh, [Replicate(), Shard(0), etp], run_check=False,
-                                  shape=tuple(shape), stride=stride)
+    from torch.distributed.tensor import DTensor
+    params, wrap = _expert_wrapper(model, meshes)
 
     def unwrap(name, t):
         if not isinstance(t, DTensor):
@@ -226,6 +300,37 @@ def _experts(model, meshes):
         return model_sd, {**optim_sd, "state": state}
 
     return transform, untransform
+
+
+def _expert_wrapper(model, meshes):
+    """({state name: local expert parameter}, wrap(name, local tensor) -> the DTensor of the
+    full [E, ...] tensor it is this rank's block of); ZeRO-1/2 pieces (ShardedTensors, already
+    in full-tensor coordinates) pass through."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    plan = meshes.plan
+    mesh = meshes.expert["edp", "ep", "etp"]
+    params = {f"{lname}.experts.{pname}": p for lname, layer in moe_layers(model)
+              for pname, p in layer.experts.named_parameters()}
+    ep_edp = _ep_major_mesh(meshes) if any(isinstance(p, DTensor) for p in params.values()) else None
+
+    def wrap(name, t):
+        if isinstance(t, ShardedTensor) or not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        pname = name.rpartition(".")[2]
+        ffn_dim = FFN_DIMS.get(pname) if plan.etp > 1 else None
+        shape = [t.shape[0] * plan.ep, *t.shape[1:]]
+        if ffn_dim is not None:
+            shape[ffn_dim] *= plan.etp
+        stride = torch.empty(shape, device="meta").stride()
+        etp = Replicate() if ffn_dim is None else Shard(ffn_dim)
+        if isinstance(t, DTensor):  # ZeRO-3: an FSDP2 shard (over edp) of the local experts
+            (fsdp,) = t.placements
+            return DTensor.from_local(t.to_local(), ep_edp, [Shard(0), etp, fsdp], run_check=False,
+                                      shape=tuple(shape), stride=stride)
+        return DTensor.from_local(t, mesh, [Replicate(), Shard(0), etp], run_check=False,
+                                  shape=tuple(shape), stride=stride)
+
+    return params, wrap
 
 
 def _ep_major_mesh(meshes):
@@ -260,15 +365,64 @@ def _twobw(runner):
     return fwd, back
 
 
-# ------------------------------------------------------------------ ZeRO-1/2 optimizer slices
+# ------------------------------------------------------------------ ZeRO optimizer state
 def _param_name(name: str) -> str:
     return name.replace("_orig_mod.", "")  # as get_state_dict names a compiled module's params
 
 
+def _param_groups(model, optimizer, zero) -> list:
+    """The optimizer's groups with each slice/master named as its model parameter."""
+    names = {id(p): _param_name(n) for n, p in model.named_parameters()}
+    of = zero.model_param_of()
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [names[id(of[id(s)])] for s in g["params"]]} for g in optimizer.param_groups]
+
+
+def _zero_optim_pieces(model, optimizer, zero, blocks: dict) -> dict:
+    """ZeRO-1/2: the slice optimizer's state as get_state_dict would name it for an unsharded
+    optimizer over the model, each slice-shaped tensor as this rank's pieces of the
+    parameter-shaped one (zero_shards.py; dropped where the slice is all padding), scalars
+    such as Adam's step as they are. No communication."""
+    names = {id(p): _param_name(n) for n, p in model.named_parameters()}
+    state = {}
+    for p, master, start, _ in zero.pieces():
+        st = optimizer.state.get(master)
+        if not st or id(p) not in names:
+            continue
+        out = {}
+        for key in sorted(st):
+            v = st[key]
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == master.shape:
+                pieces = _pieces_of(v, p, start, blocks)
+                if pieces is not None:
+                    out[key] = pieces
+            else:
+                out[key] = v
+        state[names[id(p)]] = out
+    return {"state": state, "param_groups": _param_groups(model, optimizer, zero)}
+
+
+def _set_zero_optim_pieces(model, optimizer, zero, optim_sd) -> None:
+    """The pieces were loaded in place; put back the values a load replaces (non-tensors) and
+    the groups' hyperparameters."""
+    names = {id(p): _param_name(n) for n, p in model.named_parameters()}
+    for p, master, _, _ in zero.pieces():
+        st = optimizer.state.get(master)
+        loaded = optim_sd["state"].get(names.get(id(p))) if st else None
+        for key, v in (loaded or {}).items():
+            if isinstance(v, ShardedTensor):
+                continue
+            if isinstance(st.get(key), torch.Tensor) and isinstance(v, torch.Tensor):
+                st[key].copy_(v)
+            else:
+                st[key] = v
+    for g, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+
+
 def _zero_optim_state(model, optimizer, zero) -> dict:
-    """Collective: the slice optimizer's state as get_state_dict would give it for an unsharded
-    optimizer over the model (keyed by parameter name, tensors shaped like the parameter;
-    DTensor parameters get DTensor state with the same placements)."""
+    """ZeRO-3 offload's host masters: their state (shaped like the FSDP2 shards) named as
+    get_state_dict would, DTensors like their parameters. No communication."""
     full = zero.full_optimizer_state(optimizer)
     state = {}
     for name, p in model.named_parameters():
@@ -276,15 +430,11 @@ def _zero_optim_state(model, optimizer, zero) -> dict:
             continue
         state[_param_name(name)] = {k: v if not isinstance(v, torch.Tensor) or v.dim() == 0
                                     else like_param(v, p) for k, v in full[id(p)].items()}
-    names = {id(p): _param_name(n) for n, p in model.named_parameters()}
-    of = zero.model_param_of()
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names[id(of[id(s)])] for s in g["params"]]} for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _param_groups(model, optimizer, zero)}
 
 
 def _set_zero_optim_state(model, optimizer, zero, optim_sd) -> None:
-    """Scatter a loaded name-keyed optimizer state back into this rank's slices."""
+    """A loaded name-keyed optimizer state into ZeRO-3 offload's host masters' state."""
     from torch.distributed.tensor import DTensor
     full = {}
     for name, p in model.named_parameters():

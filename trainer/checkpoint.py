@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel.state_dict import (OPTIONAL_PREFIXES, layout_state, set_layout_state, set_weights_state,
-                                 weights_state)
+from parallel.state_dict import (OPTIONAL_PREFIXES, AlreadyStaged, host_copy, layout_state,
+                                 set_layout_state, set_weights_state, weights_state)
 
 from .distributed import all_agree, barrier
 
@@ -150,8 +150,9 @@ def begin_save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict,
         if not background:
             dcp.save(layout_state(par, optimizer), checkpoint_id=str(tmp))
         else:
-            future = dcp.async_save(layout_state(par, optimizer), checkpoint_id=str(tmp),
-                                    process_group=group, no_dist=not ctx.distributed)
+            future = dcp.async_save(host_copy(layout_state(par, optimizer)), checkpoint_id=str(tmp),
+                                    process_group=group, no_dist=not ctx.distributed,
+                                    async_stager=AlreadyStaged())
     if ctx.is_main and future is not None:  # hash off the main thread too
         future = _then(future, lambda: _manifest(tmp))
     return PendingSave(step, tmp, final, future)
@@ -216,10 +217,13 @@ def _first_non_finite(model):
 
 @contextlib.contextmanager
 def _quiet_single_process(ctx):
-    """DCP warns that it assumes one process when there is no process group: that is intended."""
+    """DCP warns that it assumes one process when there is no process group: that is intended.
+    And it warns on every ZeRO-1/2 piece that ShardedTensor is deprecated: those pieces are
+    how the slices are described (parallel/data_parallel/zero_shards.py; torch is pinned)."""
     with warnings.catch_warnings():
         if not ctx.distributed:
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
 
 
@@ -370,6 +374,7 @@ def load_model_weights(path, par) -> Path:
     state = {"model": weights_state(par)}
     with warnings.catch_warnings():  # DCP notes it assumes one process: intended here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         dcp.load(state, checkpoint_id=str(path))
     set_weights_state(par, state["model"])
     return path

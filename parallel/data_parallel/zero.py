@@ -12,8 +12,8 @@ all-gather. zeropp_quantize_grads: the zero=2 reduce-scatter runs block-quantize
 param_dtype=bf16 (the ZeRO paper's mixed precision): the model's parameters and gradients are
 held in bf16 (cast_params, after the fp32 slices were taken) and the slices stay fp32 masters;
 gradients reduce and parameters gather in bf16, ZeRO-2 holds its gradient slices in bf16 (made
-fp32 only for the step), and checkpoints save and load the fp32 masters (full_masters,
-load_full_masters), never the bf16 copies.
+fp32 only for the step), and checkpoints save and load the fp32 masters (as slices:
+zero_shards.py), never the bf16 copies.
 """
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ class ZeroState:
 
     Protocol shared with offload.HostMasters (what shard_optimizer, grads.py and checkpoints
     use): shard_of, before_step, after_step, refresh_from_params, model_param_of,
-    full_optimizer_state, load_full_optimizer_state, init_optimizer_state."""
+    init_optimizer_state; checkpoints read this state's slices through pieces()."""
 
     def __init__(self, buckets, stage: int, host: bool = False, reduce_scatter_fn=None):
         """The slices are fp32 copies of the parameters as they are now (cast_params may then
@@ -164,77 +164,39 @@ class ZeroState:
     def refresh_from_params(self) -> None:
         """Re-copy the parameters into the master slices (after loading weights into the model:
         the slices are copies, so they would otherwise keep the old values). Not under bf16
-        parameters: the masters would lose their low bits (load_full_masters instead)."""
+        parameters: the masters would lose their low bits (a checkpoint loads them instead)."""
         with torch.no_grad():
             for sl in self.slices:
                 if sl.low():
                     raise RuntimeError("refresh_from_params with bf16 parameters would round the fp32 "
-                                       "masters; load them with load_full_masters")
+                                       "masters; load them from a checkpoint (state_dict.py)")
                 for p, s, L in zip(sl.params, sl.shards, sl.L):
                     s.copy_(sl.slice_of(local(p).detach(), L))
+
+    def pieces(self) -> list:
+        """[(model param, its master slice [L], flat start r L, slice index)]: where each
+        parameter's slice lies, for checkpoints (zero_shards.py; no communication)."""
+        return [(p, s, sl.r * L, sl) for sl in self.slices for p, s, L in zip(sl.params, sl.shards, sl.L)]
+
+    def gather_params(self) -> None:
+        """Collective: every parameter from its master slices (after a checkpoint load wrote
+        the masters in place)."""
+        for sl in self.slices:
+            sl.all_gather()
 
     def holds_masters(self) -> bool:
         """Whether the fp32 masters differ from the (bf16) parameters: checkpoints save them."""
         return any(sl.low() for sl in self.slices)
 
     def full_masters(self) -> dict:
-        """Collective: {id(model param): the fp32 master, full local-parameter shape}."""
+        """Collective: {id(model param): the fp32 master, full local-parameter shape} (tests and
+        inspection; checkpoints write the slices where they are: zero_shards.py)."""
         return {id(p): full.clone() for sl in self.slices
                 for p, full in zip(sl.params, sl.gather_full(sl.shards))}
-
-    def load_full_masters(self, full: dict) -> None:
-        """Local: this rank's slices of the fp32 masters in `full` ({id(model param): tensor
-        shaped like the local parameter}), and the parameters from them (cast)."""
-        with torch.no_grad():
-            for sl in self.slices:
-                for p, s, L in zip(sl.params, sl.shards, sl.L):
-                    if id(p) in full:
-                        master = full[id(p)].to(s.device, s.dtype)
-                        s.copy_(sl.slice_of(master, L))
-                        local(p).copy_(master)
 
     def model_param_of(self) -> dict:
         """id(slice) -> the model parameter it is a slice of."""
         return {id(s): p for sl in self.slices for p, s in zip(sl.params, sl.shards)}
-
-    def full_optimizer_state(self, optimizer) -> dict:
-        """Collective: {id(model param): {key: value}} with every per-slice state tensor gathered
-        into the full local-parameter shape (scalars such as Adam's step kept as they are).
-
-        Gathers one tensor per parameter and key over the bucket's group: a full copy of the
-        state passes through every rank, which is fine at our model sizes (checkpoints only).
-        Every rank holds state for the same slices, so all ranks issue the same collectives.
-        """
-        out = {}
-        for sl in self.slices:
-            for i, (p, s, L) in enumerate(zip(sl.params, sl.shards, sl.L)):
-                st = optimizer.state.get(s)
-                if not st:
-                    continue
-                full = {}
-                for key in sorted(st):
-                    v = st[key]
-                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == L:
-                        full[key] = sl.gather_full([v], [i])[0].clone()
-                    else:
-                        full[key] = v.clone() if isinstance(v, torch.Tensor) else v
-                out[id(p)] = full
-        return out
-
-    def load_full_optimizer_state(self, optimizer, full: dict) -> None:
-        """Inverse of full_optimizer_state (local, no communication): keep this rank's slice of
-        each full local-parameter-shaped tensor in `full` ({id(model param): {key: value}})."""
-        for sl in self.slices:
-            for p, s, L in zip(sl.params, sl.shards, sl.L):
-                if id(p) not in full:
-                    continue
-                st = {}
-                for key, v in full[id(p)].items():
-                    if isinstance(v, torch.Tensor) and v.shape == local(p).shape and v.dim() > 0:
-                        st[key] = sl.slice_of(v, L).to(s.device, copy=True)
-                    else:
-                        st[key] = v.clone() if isinstance(v, torch.Tensor) else v
-                optimizer.state[s] = st
 
     def init_optimizer_state(self, optimizer) -> None:
         """Collective (the step's all-gather): give the slice optimizer its state tensors (so a

@@ -125,6 +125,17 @@ def model_state(state, plan, optimizer="adamw") -> dict:
             "optimizer": optimizer_bytes_by_device(state, plan, optimizer)}
 
 
+def async_save_host_bytes(model_state_bytes: dict) -> int:
+    """Host memory a rank's checkpoint.async save stages: DCP copies every tensor of the
+    rank's state to the host before writing in the background -- its parameters (the fp32
+    master slices in their place under parallel.param_dtype=bf16) and its optimizer state,
+    at most the two together (ZeRO-1/2's master slices, counted in the optimizer state, are
+    not saved beside fp32 parameters). A synchronous save stages one tensor at a time, and
+    no layout gathers anything to save: ZeRO-1/2 slices and FSDP2 shards are written where
+    they lie (parallel/data_parallel/zero_shards.py)."""
+    return int(sum(model_state_bytes["params"].values()) + sum(model_state_bytes["optimizer"].values()))
+
+
 # ---------------------------------------------------------------- activations
 def block_act_elems(w, i: int, stream: str, plan) -> float:
     """Saved elements per token of block i (activation dtype; router fp32 in the MoE term)."""

@@ -5,6 +5,7 @@ from collections import defaultdict
 
 from .enumerate import layouts, rejection
 from .predict import predict
+from .memory import async_save_host_bytes
 
 GB, MB = 1e9, 1e6
 BUILD_ERRORS = (ValueError, NotImplementedError, TypeError)
@@ -145,7 +146,9 @@ def pred_dict(p) -> dict:
                        "in_flight_microbatches": s.in_flight, "memory_bytes": s.memory,
                        "comm_bytes": s.comm_bytes, "wire_bytes": s.wire_bytes, "flops": s.flops, "comm_s": s.comm_s,
                        "step_s": s.step_s, "step_s_min": s.step_s_min,
-                       "a2a_exposed_s": s.a2a_exposed_s} for s in p.stages]}
+                       "a2a_exposed_s": s.a2a_exposed_s,
+                       "async_save_host_bytes": async_save_host_bytes(s.model_state)}
+                      for s in p.stages]}
 
 
 def _a2a(p) -> tuple:
@@ -185,7 +188,11 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
                  f"exposed with the overlap (busiest stage)"] if _a2a(p)[0] else []),
               f"step {p.step_s * 1e3:.4g} ms (no overlap) .. {p.step_s_min * 1e3:.4g} ms (overlap), "
               f"bubble {p.bubble:.2f}, {p.tokens_per_s:.4g} tokens/s, "
-              f"{p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {_mfu(p)}"]
+              f"{p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {_mfu(p)}",
+              "checkpoint save: each rank writes its own slices and shards (nothing gathered; "
+              "one tensor at a time through host memory); checkpoint.async stages "
+              f"{max(async_save_host_bytes(st.model_state) for st in p.stages) / GB:.2f} GB "
+              "per rank in host memory (busiest stage)"]
     if not p.fits:
         lines += ["", "smallest changes that fit (fastest first):" if found else
                   "no change of one or two settings makes it fit: try more GPUs or a smaller batch"]

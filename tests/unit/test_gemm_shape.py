@@ -72,3 +72,21 @@ def test_small_experts_take_longer_than_the_preset_rate_and_only_their_flops_str
 
 def test_hardware_without_a_peak_prices_every_gemm_at_its_rate():
     assert Hardware().peak_tflops == 0 and Hardware().hbm_tbs == 0
+
+
+def test_layout_check_states_the_async_save_staging(capsys):
+    """--layout prints what checkpoint.async stages in host memory per rank (parameters and
+    optimizer state: planner/memory.py async_save_host_bytes) and --json gives it per rank."""
+    import json
+
+    from commands.plan import main
+    args = ["--config", "configs/gshard_gpt.toml", "--world", "16", "--hw", "h100",
+            "--layout", "pp2 ep8 z1 m4"]
+    assert main(args) == 0
+    assert "checkpoint save: each rank writes its own slices and shards (nothing gathered" in \
+        capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for r in out["layout"]["ranks"]:
+        st = r["model_state_bytes"]
+        assert r["async_save_host_bytes"] == sum(st["params"].values()) + sum(st["optimizer"].values()) > 0
