@@ -219,6 +219,27 @@ def exchange(pieces: list, updates: list, ns, assign=owners) -> list:
     return out
 
 
+CHECK_BYTES = 32  # check_same_matrices' all-reduce: 4 int64 per group and step
+
+
+def check_same_matrices(shapes: list, group, device=None) -> None:
+    """Collective (one small all-reduce): the ranks of an exchange group must step the same
+    matrices in the same order -- the all_to_alls are sized from each rank's own list, and
+    lists that differ would hang or swap garbage. ValueError (the same on every rank)
+    naming both counts when they do not."""
+    fingerprint = sum((i + 1) * (math.prod(s) % 1000003 + 7 * len(s)) for i, s in enumerate(shapes))
+    mine = torch.tensor([len(shapes), -len(shapes), fingerprint, -fingerprint], dtype=torch.int64,
+                        device=device)
+    seen = mine.clone()
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if torch.equal(seen[[0, 2]], -seen[[1, 3]]):
+        return
+    raise ValueError(f"train.optimizer=muon: the ranks of one exchange group step different "
+                     f"matrices (between {int(-seen[1])} and {int(seen[0])} with gradients, or "
+                     f"other shapes); every matrix Muon steps needs a gradient on every rank of "
+                     f"its group (a parameter unused on some rank: give it a zero gradient)")
+
+
 class PieceOwners:
     """MuonAdamW's orthogonaliser for a layout that holds pieces of matrices.
 
@@ -244,6 +265,9 @@ class PieceOwners:
         with label:
             for group in self.groups:
                 ks = [k for k, p in enumerate(params) if id(p) in self.pieces and self.pieces[id(p)].group is group]
+                if dist.get_world_size(group) > 1:  # before any exchange sized from ks
+                    check_same_matrices([self.pieces[id(params[k])].shape for k in ks], group,
+                                        self.device or (updates[0].device if updates else None))
                 if not ks:
                     continue
                 locals_ = [_local(updates[k]) for k in ks]  # host ones (offload) to the device

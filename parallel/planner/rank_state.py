@@ -170,7 +170,7 @@ def _muon_facts(par, groups) -> tuple:
 
 def _muon_variant(par, groups, sliced: bool):
     from optim.muon import split_params
-    from ..muon import layout_groups, owners, pieces_of
+    from ..muon import CHECK_BYTES, layout_groups, owners, pieces_of
     muon_params, _ = split_params(par.model)
     names = {id(p): n for n, p in par.model.named_parameters()}
     etp = par.meshes.group("etp") if par.plan.etp > 1 and par.meshes is not None else None
@@ -195,6 +195,7 @@ def _muon_variant(par, groups, sliced: bool):
     for name, items in by_group.items():
         P, me = items[0][0].size, dist.get_rank(items[0][0].group)
         own = owners([d.shape for d, _ in items], P)
+        exchange.append((dim_of.get(name), P, CHECK_BYTES))  # check_same_matrices, each step
         for i, (d, size) in enumerate(items):  # a source sends its piece, the owner P pieces back
             pad = max(d.numels()) * size
             exchange.append((dim_of.get(name), P, pad * (d.sources()[me] + (P if own[i] == me else 0))))

@@ -69,6 +69,9 @@ def _reference(model_cfg, moe_cfg):
     return out, params
 
 
+CHECK_BYTES = 32  # parallel/muon.py check_same_matrices: an all-reduce of 4 int64
+
+
 def _expected_bytes(opt) -> int:
     """Two all_to_alls per group and step: this rank hands over its padded piece of each matrix
     it is a source of (copies send nothing), and as owner every rank's piece of its matrices."""
@@ -83,7 +86,7 @@ def _expected_bytes(opt) -> int:
         me, own = dist.get_rank(pieces[0].group), owners([d.shape for d in pieces], pieces[0].size)
         for d, o in zip(pieces, own):
             total += max(d.numels()) * (d.sources()[me] + (d.size if o == me else 0))
-    return 4 * total
+    return 4 * total + CHECK_BYTES * len(by_group)  # + the agreement check, once per group
 
 
 def _worker(rank, world):
@@ -120,3 +123,24 @@ def test_muon_layouts_equal_one_process(world):
                 assert not bad, f"{name} rank {rank} step {step}: parameters differ: {bad}"
                 assert n_pieces > 0 or name == "pp2", f"{name}: no matrix is held in pieces"
                 assert comm.get("muon_orthogonalise", 0) == want_bytes, (name, comm, want_bytes)
+
+
+def _disagree(rank, world):
+    """Each rank's outcome of check_same_matrices: the same lists, then lists that differ."""
+    import torch.distributed as dist
+    from parallel.muon import check_same_matrices
+    group = dist.group.WORLD
+    check_same_matrices([(4, 8), (8, 8)], group)          # agree: returns
+    try:
+        check_same_matrices([(4, 8), (8, 8)][:1 + rank], group)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_step_different_matrices_get_one_line_not_a_hang():
+    """The exchange's all_to_alls are sized from each rank's own list of matrices with
+    gradients: a rank that disagrees is named before any of them (one all-reduce)."""
+    for msg in run_distributed(_disagree, 2, timeout=60):
+        assert msg is not None and msg.startswith("train.optimizer=muon: the ranks of one exchange "
+                                                  "group step different matrices (between 1 and 2"), msg
