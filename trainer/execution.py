@@ -149,11 +149,14 @@ class ParameterServer(Plain):
         step the optimizer. The loss returned is the mean over workers (s = 0) or its own."""
         rec["ps_staleness"] = self.client.pull(n)
         loss, aux, stats = self._forward_backward(tr, tr.next_batch(), 1.0)
-        loss, aux, norm, skipped = self.client.push(n, tr.sched.get_last_lr(), loss, aux,
-                                                    tr.cfg.train.grad_clip)
+        asked = tr.stop_request is not None and tr.stop_request.requested
+        loss, aux, norm, skipped, stop_at = self.client.push(
+            n, tr.sched.get_last_lr(), loss, aux, tr.cfg.train.grad_clip, stop=asked)
         tr.sched.step()
         rec["ps_bytes"] = self.client.take_traffic()
-        stop = tr.stop_request is not None and tr.stop_request.requested
+        # every worker stops after the step the servers agreed (a SIGTERM seen by any worker),
+        # so all enter the checkpoint's collectives together (ServerShard.stop_step)
+        stop = stop_at is not None and n >= stop_at
         return StepResult(loss, aux, stats, norm, "diverged" if skipped else False, stop)
 
     def settle(self, tr, n: int) -> None:

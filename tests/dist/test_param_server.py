@@ -73,7 +73,7 @@ def _worker(rank, world, case, rpc_file):
         loss = dc.task_loss(model(x), y)
         aux = collect_aux_loss(model)
         (loss + aux).backward()
-        mean_loss, mean_aux, norm, skipped = client.push(step, dc.LR, loss, aux, dc.CLIP)
+        mean_loss, mean_aux, norm, skipped, _ = client.push(step, dc.LR, loss, aux, dc.CLIP)
         rows.append((mean_loss + mean_aux, norm, skipped))
         traffic.append(client.take_traffic())
     torch.distributed.barrier()

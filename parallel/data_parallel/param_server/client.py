@@ -58,20 +58,22 @@ class PSClient:
                 self.traffic["pull"] += sum(t.numel() * t.element_size() for t in tensors.values())
         return lag
 
-    def push(self, step: int, lr: float, loss: torch.Tensor, aux: torch.Tensor, max_norm: float):
-        """Send this worker's gradients -> (loss, aux, grad norm, skipped). s = 0: the mean
-        loss and the norm of the mean gradient over all workers (clipped as one process
-        clips); s > 0: this worker's own, its gradient clipped locally."""
+    def push(self, step: int, lr: float, loss: torch.Tensor, aux: torch.Tensor, max_norm: float,
+             stop: bool = False):
+        """Send this worker's gradients (and whether it was asked to stop) -> (loss, aux, grad
+        norm, skipped, stop_at). s = 0: the mean loss and the norm of the mean gradient over
+        all workers (clipped as one process clips); s > 0: this worker's own, its gradient
+        clipped locally. stop_at: the step every worker stops after, once any asked
+        (ServerShard.stop_step, read from shard 0), else None."""
         loss_aux = torch.stack([loss.detach(), aux.detach()]).double().cpu()
         if self.staleness > 0:
             norm = self._local_norm()
             skip = not (math.isfinite(norm) and bool(torch.isfinite(loss_aux).all()))
             coef = _clip_coef(norm, max_norm)
-            futs = self._send(step, lr, loss_aux, coef, skip)
-            for s, f in enumerate(futs):
-                _wait(f, s, step, "push")
-            return loss_aux[0].item(), loss_aux[1].item(), norm, skip
-        futs = self._send(step, lr, loss_aux, 1.0, False)
+            futs = self._send(step, lr, loss_aux, coef, skip, stop)
+            replies = [_wait(f, s, step, "push") for s, f in enumerate(futs)]
+            return loss_aux[0].item(), loss_aux[1].item(), norm, skip, _stop_at(replies[0])
+        futs = self._send(step, lr, loss_aux, 1.0, False, stop)
         replies = [_wait(f, s, step, "push") for s, f in enumerate(futs)]
         sq = sum(float(r[0]) for r in replies)
         mean_loss, mean_aux = float(replies[0][1]), float(replies[0][2])
@@ -82,7 +84,7 @@ class PSClient:
             self._call_all("apply", step, coef)
         for s, f in enumerate(futs):
             _wait(f, s, step, "apply")
-        return mean_loss, mean_aux, norm, skip
+        return mean_loss, mean_aux, norm, skip, _stop_at(replies[0])
 
     def take_traffic(self) -> dict:
         """Bytes since the last call: pull, push, push_dense (had every row been sent),
@@ -117,7 +119,7 @@ class PSClient:
         sq = sum(float(p.grad.float().pow(2).sum()) for p in self.params.values() if p.grad is not None)
         return math.sqrt(sq)
 
-    def _send(self, step, lr, loss_aux, coef: float, skip: bool) -> list:
+    def _send(self, step, lr, loss_aux, coef: float, skip: bool, stop: bool = False) -> list:
         """One push per shard; expert rows this worker did not touch stay home."""
         touched = {n: (self.params[n].grad.reshape(self.params[n].shape[0], -1) != 0).any(1).tolist()
                    for n in self.experts if self.params[n].grad is not None}
@@ -139,7 +141,7 @@ class PSClient:
                 self.traffic["push"] += size
                 if u.expert >= 0:
                     self.traffic["push_expert"] += size
-            futs.append(self._call(s, "push", self.rank, step, grads, lr, loss_aux, skip))
+            futs.append(self._call(s, "push", self.rank, step, grads, lr, loss_aux, skip, stop))
         return futs
 
     def _call(self, s: int, method: str, *args):
@@ -159,6 +161,12 @@ def _wait(fut, s: int, step: int, what: str):
         raise RuntimeError(f"parameter server: rank {s} (host of shard {shard_name(s)}) failed "
                            f"the {what} of step {step} ({first}); the run stops -- resume from "
                            f"the last checkpoint with train.resume=true") from None
+
+
+def _stop_at(reply) -> "int | None":
+    """The agreed stop step at the end of shard 0's push reply (-1: none)."""
+    v = int(reply[-1])
+    return None if v < 0 else v
 
 
 def _clip_coef(norm: float, max_norm: float) -> float:

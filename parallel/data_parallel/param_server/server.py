@@ -57,19 +57,24 @@ class ServerShard:
         self.pending = {}                    # s = 0: step -> accumulated gradients
         self.waiting = []                    # (ready(), future, result()) parked pulls/pushes
         self.bytes_in = self.bytes_out = 0
+        self.stop_at = None                  # the step every worker stops after (stop_step)
 
     # ------------------------------------------------------------------ rpc entry points
     def push(self, worker: int, step: int, grads: dict, lr: float, loss_aux: torch.Tensor,
-             skip: bool = False):
-        """s > 0 with skip: a non-finite gradient on that worker, no update (its clock moves)."""
+             skip: bool = False, stop: bool = False):
+        """s > 0 with skip: a non-finite gradient on that worker, no update (its clock moves).
+        stop: that worker was asked to stop (SIGTERM): see stop_step. The reply ends with the
+        agreed stop step (-1: none yet)."""
         fut = torch.futures.Future()
         with self.lock:
             self.bytes_in += _nbytes(grads.values())
+            if stop and self.stop_at is None:
+                self.stop_at = self.stop_step(step)
             if self.staleness > 0:
                 if not skip:
                     self._step(grads, lr)
                 self.clock[worker] = step
-                fut.set_result(loss_aux)
+                fut.set_result(torch.cat([loss_aux.double(), self._stop_field()]))
                 self._wake()
                 return fut
             acc = self.pending.setdefault(step, {"grads": {}, "count": 0, "loss": torch.zeros(2), "lr": lr})
@@ -148,7 +153,21 @@ class ServerShard:
     def _norm(self, step: int):
         acc = self.pending[step]
         sq = sum(float(g.float().pow(2).sum()) for g in acc["grads"].values()) / self.workers ** 2
-        return torch.tensor([sq, *(acc["loss"] / self.workers).tolist()], dtype=torch.float64)
+        return torch.cat([torch.tensor([sq, *(acc["loss"] / self.workers).tolist()], dtype=torch.float64),
+                          self._stop_field()])
+
+    def stop_step(self, step: int) -> int:
+        """The step every worker stops after, decided once, by the first stop request this
+        shard sees (pushed with step `step`): s = 0, that step (every worker's push of it is
+        answered after all of them arrived, so all read the decision in the same reply); s > 0,
+        step + 1 + s: no worker can be running a later step, since a pull of step k waits
+        until every worker pushed k - 1 - s and this worker has pushed only `step`. Workers
+        read it from shard 0's replies only (one decision, not one per shard), each stopping
+        after that step: they all enter the checkpoint's collectives at the same step."""
+        return step if self.staleness == 0 else step + 1 + self.staleness
+
+    def _stop_field(self) -> torch.Tensor:
+        return torch.tensor([-1 if self.stop_at is None else self.stop_at], dtype=torch.float64)
 
     def _snapshot(self, step: int):
         lag = max(0, (step - 1) - min(self.clock)) if self.staleness > 0 else 0
