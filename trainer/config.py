@@ -293,6 +293,28 @@ def _check_own(cfg: Config) -> None:
     _require(lg.profile_batches >= 1, f"log.profile_batches={lg.profile_batches} must be >= 1")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = only at the end)")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    _check_ranges(cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
+    """The numeric fields torch, the data pipeline or the launcher would otherwise reject deep
+    inside a run (a traceback) or take silently: one line each, naming the field."""
+    t, d = cfg.train, cfg.data
+    _require(cfg.run.dist_timeout_s >= 1, f"run.dist_timeout_s={cfg.run.dist_timeout_s} must be "
+                                          f">= 1 second (the process group's collective timeout)")
+    _require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
+    for name in ("beta1", "beta2", "muon_momentum"):
+        v = getattr(t, name)
+        _require(0 <= v < 1, f"train.{name}={v} must be in [0, 1)")
+    _require(t.eps > 0, f"train.eps={t.eps} must be > 0")
+    _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _require(t.muon_ns_steps >= 1, f"train.muon_ns_steps={t.muon_ns_steps} must be >= 1")
+    _require(d.vocab_size >= 1, f"data.vocab_size={d.vocab_size} must be >= 1 (the BPE vocabulary)")
+    _require(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    _require(d.max_bytes >= 0, f"data.max_bytes={d.max_bytes} must be >= 0 (0 = all)")
+    _require(0 < d.noise_density < 1, f"data.noise_density={d.noise_density} must be in (0, 1)")
+    _require(d.mean_span_length >= 1, f"data.mean_span_length={d.mean_span_length} must be >= 1 token")
+    _require(cfg.moe.swiglu_alpha > 0, f"moe.swiglu_alpha={cfg.moe.swiglu_alpha} must be > 0")
 
 
 def _check_optimizer(cfg: Config, plan) -> None:
