@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts layer: router, dispatcher, experts (see ARCHITECTURE.md).
+"""The Mixture-of-Experts layer: router, dispatcher, experts (see docs/design.md).
 
 The layer's pieces live flat in this package (config, router, scoring, routing, capacity,
 losses, dispatcher, ep_dispatcher, all_to_all, experts, grouped_mm, activations, placement,

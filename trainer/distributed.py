@@ -107,8 +107,9 @@ def barrier(ctx: DistContext) -> None:
 
 def shutdown(ctx: DistContext, ok: bool = True) -> None:
     """Tear the process group down. After a success every rank is here, and a barrier first
-    avoids a rare gloo abort at exit (ENV.md trap 2). After an error the other ranks may be
-    blocked in some other collective (or gone): a barrier would wait for run.dist_timeout_s,
+    avoids a rare gloo abort at exit (docs/torch_distributed_traps.md, trap 2). After an
+    error the other ranks may be blocked in some other collective (or gone): a barrier would
+    wait for run.dist_timeout_s,
     so the group is dropped at once and this process exits; the peers' next collective then
     fails on the closed connection (and torchrun stops the rest)."""
     if not (ctx.distributed and dist.is_initialized()):

@@ -3,9 +3,10 @@
 Tolerance: losses and grad norms agree within 2e-5 absolute / 1e-4 relative over 5 AdamW
 steps. The layouts change only the order of floating-point sums (all-reduces, split matmuls),
 which perturbs fp32 values at ~1e-7 relative per step; Adam divides by sqrt(v), which can
-amplify such differences to ~1e-5 in the weights after a few steps (ENV.md trap 5), hence a
-bound two orders above the one-step noise yet far below any real bug (a missing 1/dp or a
-dropped aux loss changes losses at the 1e-3 level or more). Several layouts share one spawn
+amplify such differences to ~1e-5 in the weights after a few steps
+(docs/torch_distributed_traps.md, trap 5), hence a bound two orders above the one-step noise
+yet far below any real bug (a missing 1/dp or a dropped aux loss changes losses at the 1e-3
+level or more). Several layouts share one spawn
 because process start-up dominates the cost.
 """
 import pytest

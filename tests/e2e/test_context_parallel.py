@@ -3,7 +3,7 @@
 under cp=1 (one process) and the one-process checkpoint under cp=2 ulysses.
 
 Tolerance: 1e-4 relative on losses (reduction order only; AdamW amplifies ~1e-7 differences,
-ENV.md trap 5). The layout line names cp and its mode.
+docs/torch_distributed_traps.md trap 5). The layout line names cp and its mode.
 """
 import shutil
 

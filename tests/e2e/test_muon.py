@@ -1,7 +1,7 @@
 """train.optimizer=muon through train.py: the same model, weights and global batch under dp2 x
 ep2 (each rank keeps whole experts, the dense matrices whole and all-reduced) and under pp2
 (each stage its whole matrices) give the one-process losses for 6 steps (1e-4 relative: the
-reduction order, amplified by the steps; ENV.md trap 5); a one-process muon checkpoint of step 3
+reduction order, amplified by the steps; docs/torch_distributed_traps.md trap 5); a one-process muon checkpoint of step 3
 resumes under dp2 x tp2 x ep2 x ZeRO-3 with the uninterrupted run's losses (Muon's momentum
 buffers and AdamW's moments cut into FSDP2's shards of the tensor-parallel blocks and of each
 rank's experts, the matrices' updates orthogonalised whole by their owner rank:

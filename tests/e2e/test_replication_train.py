@@ -4,7 +4,8 @@ the mean with replication than without. The overlapped exchange (moe.a2a_overlap
 with replicas) gives the losses of the plain one.
 
 Tolerance: losses 1e-5 relative (the runs differ only in how an expert's weight gradient is
-split into partial sums before AdamW, which amplifies last-bit differences, ENV.md trap 5).
+split into partial sums before AdamW, which amplifies last-bit differences,
+docs/torch_distributed_traps.md, trap 5).
 """
 import pytest
 

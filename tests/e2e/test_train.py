@@ -1,7 +1,7 @@
 """train.py end to end in real processes (python / torchrun), tiny models, temp dirs.
 
 Tolerances: the same global batch under another layout differs only in reduction order;
-losses are compared to 1e-4 relative (AdamW amplifies ~1e-7 differences, ENV.md trap 5).
+losses are compared to 1e-4 relative (AdamW amplifies ~1e-7 differences, docs/torch_distributed_traps.md trap 5).
 Resume in the same layout must reproduce losses exactly (1e-6).
 """
 import json

@@ -1,7 +1,7 @@
 """The shape of the tree: lower layers never import higher ones, no import circle, every
 path the README has ever documented still works, and the command lines users know start.
 
-Layers, bottom to top (ARCHITECTURE.md): moe, data < models, optim < parallel < trainer <
+Layers, bottom to top (docs/design.md): moe, data < models, optim < parallel < trainer <
 commands. An import is read from the source (ast), at any depth in a file (function-level
 imports count). `python -m` entries that hand over to commands/ do so with runpy inside a
 program entry (a package's __main__.py or an `if __name__ == "__main__":` block), which no
