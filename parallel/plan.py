@@ -424,7 +424,11 @@ def _check_param_dtype(p: ParallelPlan) -> None:
                      (p.ps_servers > 0, f"parallel.ps_servers={p.ps_servers}: set ps_servers=0 "
                       f"(the servers keep their own fp32 copies)"),
                      (p.pp > 1 and p.pp_schedule == "2bw", "parallel.pp_schedule=2bw: use another "
-                      "schedule (2bw keeps its own weight versions)")):
+                      "schedule (2bw keeps its own weight versions)"),
+                     (p.tp > 1 and p.zero in (1, 2), f"parallel.tp={p.tp} under ZeRO-{p.zero}: "
+                      f"casting tensor-parallel weights (DTensors) to bf16 beside their fp32 "
+                      f"slices is not implemented (their local blocks stayed fp32 and the first "
+                      f"forward failed); set parallel.param_dtype=fp32 or parallel.tp=1")):
         if bad:
             raise _err(f"parallel.param_dtype={p.param_dtype} with {fix}")
 

@@ -284,3 +284,13 @@ def test_2bw_refusals_name_the_field(kwargs, world, pattern):
     model = ModelConfig(**{**MODEL.__dict__, "tie_embeddings": "tie_embeddings" in pattern})
     with pytest.raises(ValueError, match=pattern):
         ParallelPlan(**kwargs).validate(world, model, MOE, 8)
+
+
+def test_bf16_parameters_with_tensor_parallel_zero_slices_are_refused_in_one_line():
+    """parallel.param_dtype=bf16 casts the parameters beside ZeRO-1/2's fp32 slices; a
+    tensor-parallel DTensor weight kept an fp32 local block and the first forward failed."""
+    for zero in (1, 2):
+        with pytest.raises(ValueError, match=rf"parallel.param_dtype=bf16 with parallel.tp=2 under "
+                                             rf"ZeRO-{zero}: casting tensor-parallel weights"):
+            ParallelPlan(tp=2, zero=zero, precision="bf16", param_dtype="bf16").validate(4, MODEL, MOE, 8)
+    ParallelPlan(tp=2, zero=1, precision="bf16").validate(4, MODEL, MOE, 8)   # fp32 parameters
