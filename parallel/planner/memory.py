@@ -34,7 +34,8 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
     moe_act         r K F_e + F_s (the activation outputs)
     experts         r K (2 F_e, 3 F_e gated) (the experts' hidden)
     shared_experts  2 F_s (3 F_s gated); mlp: 2 F (3 F gated) of a dense block
-    mla_up_proj     q_lora_rank + kv_lora_rank (the normalised latents)
+    mla_up_proj     2 (q_lora_rank + kv_lora_rank) + (1 or 2) x 4/a (the latents before and
+                    after their norms, which the recomputed part runs, and the norms' rstd)
     core_attn       H x 4/a (the fused kernel's log-sum-exp; its q, k, v and output are
                     kept by the layers around it)
   Sequence parallelism and MoE sequence splitting divide all of it by tp. The 2-D grid
@@ -189,7 +190,10 @@ def recompute_saved_elems(w, i: int, plan) -> float:
     if not moe and "mlp" in parts:
         out += glu * m.d_ff
     if "mla_up_proj" in parts and getattr(m, "attention", "mha") == "mla":
-        out += m.q_lora_rank + m.kv_lora_rank
+        # the latents before and after their RMSNorms (the norms run inside the recomputed
+        # part: LatentAttention.up) and each norm's fp32 reciprocal root
+        norms = 2 if m.q_lora_rank else 1
+        out += 2 * (m.q_lora_rank + m.kv_lora_rank) + norms * 4 / a
     if "core_attn" in parts:
         out += m.n_heads * 4 / a
     return out
