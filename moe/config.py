@@ -23,7 +23,7 @@ def routes_per_sequence(kind: str, capacity_factor=None, eval_capacity_factor="s
     sequences. Dropless token choice decides each token alone, so any split of the tokens
     over ranks routes every token as one process does (and its sequence balance loss sums
     the sequences' statistics over the ranks holding their parts: moe/losses.py)."""
-    if eval_capacity_factor == "same":
+    if isinstance(eval_capacity_factor, str) and eval_capacity_factor.lower() == "same":
         eval_capacity_factor = capacity_factor
     return kind != "token_choice" or capacity_factor is not None or \
         eval_capacity_factor is not None or expert_capacity is not None

@@ -111,9 +111,11 @@ def host_copy(state):
     if isinstance(state, ShardedTensor):
         return pieces_to_host(state)
     if isinstance(state, DTensor):
-        return DTensor.from_local(state.to_local().detach().to("cpu", copy=True), state.device_mesh,
-                                  state.placements, run_check=False, shape=state.shape,
-                                  stride=state.stride())
+        # as DCP's own stager copies one: from_local would move a host local back to a CUDA
+        # mesh's device, so the copy is put in place of the (host) DTensor's local tensor
+        out = state.detach().to("cpu")
+        out._local_tensor = state.to_local().detach().to("cpu", copy=True)
+        return out
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     return state
@@ -196,7 +198,7 @@ def _with_master_pieces(model, zero, model_sd: dict, blocks: dict) -> dict:
         return model_sd
     out, names = dict(model_sd), {}
     for name, p in _named(model):
-        names.setdefault(id(p), []).append(name)
+        names.setdefault(id(p), []).append(_param_name(name))  # as get_model_state_dict names
     for p, master, start, _ in zero.pieces():
         pieces = _pieces_of(master.detach(), p, start, blocks)
         for name in names.get(id(p), []):

@@ -26,6 +26,8 @@ def flat_blocks(shape, start: int, stop: int) -> list:
     row-major tensor of `shape`, in flat order (each a contiguous run)."""
     if start >= stop:
         return []
+    if len(shape) == 0:  # a 0-dim tensor: its one element
+        return [((), ())]
     if len(shape) == 1:
         return [((start,), (stop - start,))]
     inner = math.prod(shape[1:])

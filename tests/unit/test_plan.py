@@ -102,6 +102,8 @@ def test_tp_micro_batch_of_one_needs_dropless_token_choice():
     """Dropless token choice routes tp's sequence split as it is (any micro-batch size); a
     capacity (in training or only in eval) or expert choice needs whole sequences per tp rank."""
     assert ParallelPlan(tp=2).validate(4, MODEL, MOE, 2).tp == 2       # micro-batch 1 at tp2
+    same = MoEConfig(num_experts=8, top_k=2, every=2, eval_capacity_factor="Same")  # = dropless
+    assert ParallelPlan(tp=2).validate(4, MODEL, same, 2).tp == 2
     whole = [MoEConfig(num_experts=8, top_k=2, every=2, capacity_factor=1.25),
              MoEConfig(num_experts=8, top_k=2, every=2, eval_capacity_factor=2.0),
              MoEConfig(num_experts=8, top_k=2, every=2, router="expert_choice", capacity_factor=1.0)]

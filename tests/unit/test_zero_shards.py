@@ -17,6 +17,7 @@ def test_hand_computed_rectangles():
                                             ((1, 0, 0), (1, 1, 4)), ((1, 1, 0), (1, 1, 3))]
     assert flat_blocks((7,), 3, 5) == [((3,), (2,))]
     assert flat_blocks((3, 4), 6, 6) == []
+    assert flat_blocks((), 0, 1) == [((), ())]          # a 0-dim parameter: its one element
 
 
 def test_rectangles_tile_every_range_in_flat_order():
