@@ -3,7 +3,7 @@ parallel/tensor/one_d.py) trains with the one-process losses (1e-4 relative: red
 order only), tp2 and tp2 x ep2 (dp2)."""
 import pytest
 
-from tests.e2e.test_train import TINY, cache, close, losses, train  # noqa: F401 (cache: fixture)
+from tests.e2e.test_train import TINY, cache, four_steps_like_one_process  # noqa: F401 (cache: fixture)
 
 pytestmark = pytest.mark.e2e
 MLA = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
@@ -13,12 +13,4 @@ MLA = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
 @pytest.mark.parametrize("layout, nproc", [(["parallel.tp=2"], 2),
                                            (["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"], 4)])
 def test_mla_under_tp_trains_like_one_process(tmp_path, cache, layout, nproc):
-    common = TINY + MLA + [f"data.cache_dir={cache}", "train.steps=4", "checkpoint.every=0",
-                           "checkpoint.at_end=false"]
-    one, tp = tmp_path / "one", tmp_path / "tp"
-    train(common + [f"run.dir={one}"], tmp_path)
-    train(common + layout + [f"run.dir={tp}"], tmp_path, nproc=nproc)
-    ref, got = losses(one), losses(tp)
-    assert sorted(got) == [1, 2, 3, 4]
-    for step in ref:
-        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+    four_steps_like_one_process(tmp_path, TINY + MLA + [f"data.cache_dir={cache}"], layout, nproc)

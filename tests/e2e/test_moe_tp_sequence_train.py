@@ -5,7 +5,7 @@ reduction order only): tp2, and tp2 x dp2 x ep2 with the global-batch balance lo
 capacity routes per sequence: whole sequences are swapped across tp (micro-batch 2)."""
 import pytest
 
-from tests.e2e.test_train import TINY, cache, close, losses, train  # noqa: F401 (cache: fixture)
+from tests.e2e.test_train import TINY, cache, four_steps_like_one_process  # noqa: F401 (cache: fixture)
 
 pytestmark = pytest.mark.e2e
 MBS1 = ["train.batch_size=4", "train.micro_batch_size=1"]
@@ -18,12 +18,4 @@ MBS1 = ["train.batch_size=4", "train.micro_batch_size=1"]
     (["train.batch_size=4", "train.micro_batch_size=2", "moe.capacity_factor=1.25"],
      ["parallel.tp=2"], 2)])
 def test_moe_under_tp_trains_like_one_process(tmp_path, cache, extra, layout, nproc):
-    common = TINY + extra + [f"data.cache_dir={cache}", "train.steps=4", "checkpoint.every=0",
-                             "checkpoint.at_end=false"]
-    one, tp = tmp_path / "one", tmp_path / "tp"
-    train(common + [f"run.dir={one}"], tmp_path)
-    train(common + layout + [f"run.dir={tp}"], tmp_path, nproc=nproc)
-    ref, got = losses(one), losses(tp)
-    assert sorted(got) == [1, 2, 3, 4]
-    for step in ref:
-        assert close(got[step], ref[step], 1e-4), (step, got[step], ref[step])
+    four_steps_like_one_process(tmp_path, TINY + extra + [f"data.cache_dir={cache}"], layout, nproc)

@@ -50,6 +50,19 @@ def close(a, b, rel):
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
+def four_steps_like_one_process(tmp, args, layout, nproc, rel=1e-4):
+    """train.py for 4 steps on one process and under `layout` on nproc processes (same
+    args): the layout logs every step with the one-process losses within rel."""
+    common = args + ["train.steps=4", "checkpoint.every=0", "checkpoint.at_end=false"]
+    one, other = tmp / "one", tmp / "layout"
+    train(common + [f"run.dir={one}"], tmp)
+    train(common + layout + [f"run.dir={other}"], tmp, nproc=nproc)
+    ref, got = losses(one), losses(other)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in ref:
+        assert close(got[step], ref[step], rel), (step, got[step], ref[step])
+
+
 def resume_after_step3(run_dir, args, tmp, ref, rel, nproc=1):
     """Drop run_dir's step-6 checkpoint and resume it from step 3 with `args` on nproc
     processes: steps 1..6 are each logged once (the records after the checkpoint replaced)
