@@ -72,14 +72,6 @@ def set_balance_group(model, group) -> None:
         layer.set_balance_group(group)
 
 
-def set_sequence_group(model, group) -> None:
-    """Hand every MoELayer the ranks that hold parts of the same sequences (context
-    parallelism): the sequence-wise balance loss sums its per-sequence statistics over them
-    (moe/losses.py); None: each rank holds whole sequences."""
-    for _, layer in moe_layers(model):
-        layer.set_sequence_group(group)
-
-
 def reset_balance_windows(model) -> None:
     """Start a new global_batch balance window in every MoELayer: call once per optimizer
     step, before its first micro-batch."""
