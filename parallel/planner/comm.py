@@ -68,27 +68,28 @@ from .rank_state import muon_facts
 
 
 def step_comm(w, plan, state, node_size: int = 8) -> tuple:
-    """({kind: bytes}, [(kind, collective, dim, group size, bytes)]) for this rank: the
-    kinds of parallel/ledger.py (zeros omitted) and the events behind them (step_time.py
-    turns those into seconds). node_size: global ranks per node. The expert all-to-all's
+    """({kind: bytes}, [(kind, collective, dim, group size, bytes, calls)]) for this rank:
+    the kinds of parallel/ledger.py (zeros omitted) and the events behind them (step_time.py
+    turns those into seconds; calls: how many collective calls the bytes are spread over,
+    which prices each call's latency, see CALLS in the module docstring). node_size: global ranks per node. The expert all-to-all's
     events are split by where the bytes go: dims "ep@intra" (this rank's node, itself
     included) and "ep@inter" (other nodes), see expert_nodes.py."""
     if plan.world == 1:
         return {}, []
     out, events = Counter(), []
 
-    def book(collective, dim, nbytes):
+    def book(collective, dim, nbytes, calls=1):
         if dim in ("ep@intra", "ep@inter"):  # the expert all-to-all's parts (expert_nodes.py)
             size = ep_nodes(plan, state.rank, node_size).per if dim == "ep@intra" else plan.ep
             if nbytes:
                 out["expert_all_to_all"] += int(nbytes)
-                events.append(("expert_all_to_all", collective, dim, size, int(nbytes)))
+                events.append(("expert_all_to_all", collective, dim, size, int(nbytes), calls))
             return
         dims, size = state.groups[dim]
         if size > 1 and nbytes:
             kind = classify(collective, set(dims))
             out[kind] += int(nbytes)
-            events.append((kind, collective, dim, size, int(nbytes)))
+            events.append((kind, collective, dim, size, int(nbytes), calls))
 
     _grad_sync(plan, state, book)
     if plan.zero == 3:
@@ -96,7 +97,7 @@ def step_comm(w, plan, state, node_size: int = 8) -> tuple:
     if state.tied_pair:
         tied = state.tied_bytes if plan.zero != 2 else _tied_slice(state)
         out["tied_embedding"] += tied
-        events.append(("tied_embedding", "reduce", "pp", 2, tied))
+        events.append(("tied_embedding", "reduce", "pp", 2, tied, 1))
     _pipeline(w, plan, state, book)
     _experts(w, plan, state, book, node_size)
     _context(w, plan, state, book)
@@ -107,7 +108,7 @@ def step_comm(w, plan, state, node_size: int = 8) -> tuple:
     if w.optimizer == "muon" and muon_facts(state, plan) is not None:
         for dim, size, nbytes in muon_facts(state, plan).exchange:  # to the owner and back
             out["muon_orthogonalise"] += nbytes
-            events.append(("muon_orthogonalise", "a2a", dim, size, nbytes))
+            events.append(("muon_orthogonalise", "a2a", dim, size, nbytes, 1))
     out["other"] += 20
     return {k: out[k] for k in KINDS if out[k]}, events
 
@@ -143,13 +144,14 @@ def _fsdp(m: int, plan, state, out, events) -> None:
         shard = int(shard * wire)
         dim = sorted(dims)[0]
         backward = [] if is_root and not hpz else \
-            [("gather", "hpz", hpz, qw(shard * size // hpz) * m)] if hpz else [("gather", dim, size, qw(shard) * m)]
+            [("gather", "hpz", hpz, qw(shard * size // hpz) * m, m)] if hpz else \
+            [("gather", dim, size, qw(shard) * m, m)]
         scatter = size * quantized_bytes(shard) if plan.zeropp_quantize_grads else shard * size
-        for collective, on, n, nbytes in [("gather", dim, size, qw(shard) * m), *backward,
-                                          ("scatter", dim, size, scatter)]:
+        for collective, on, n, nbytes, calls in [("gather", dim, size, qw(shard) * m, m),
+                                                 *backward, ("scatter", dim, size, scatter, 1)]:
             kind = classify(collective, set(dims))
             out[kind] += nbytes
-            events.append((kind, collective, on, n, nbytes))
+            events.append((kind, collective, on, n, nbytes, calls))
 
 
 def _tied_slice(state) -> int:
@@ -166,7 +168,7 @@ def _pipeline(w, plan, state, book) -> None:
     for chunk in range(plan.stages_per_rank):
         stage = state.rank // plan.pool + chunk * plan.pp
         sends += (stage != plan.num_stages - 1) + (stage != 0)
-    book("p2p", "pp", per_mb * plan.microbatches * sends)
+    book("p2p", "pp", per_mb * plan.microbatches * sends, plan.microbatches * sends)
     book("reduce", "pp", 8)
 
 
@@ -198,8 +200,25 @@ def _experts(w, plan, state, book, node_size: int) -> None:
                                 moe.num_experts, rows, passes)
         intra, inter = intra + a * len(moe_blocks), inter + b * len(moe_blocks)
     m = micro_count(w, plan)
-    book("a2a", "ep@intra", intra * m)
-    book("across", "ep@inter", inter * m)
+    spread, inside = a2a_calls(getattr(moe, "dispatch", "flat"), passes)
+    per = len(moe_blocks) * len(w.stream_tokens) * m
+    if inter:   # a call that reaches another node pays the network's latency (step_time.py)
+        book("a2a", "ep@intra", intra * m, inside * per)
+        book("across", "ep@inter", inter * m, spread * per)
+    else:
+        book("a2a", "ep@intra", intra * m, (spread + inside) * per)
+
+
+def a2a_calls(mode: str, passes: int) -> tuple:
+    """(calls whose peers span the ep group, calls inside the node) of one MoE layer's
+    expert all-to-all per micro-batch: flat: the count table, dispatch and combine forward
+    (each forward pass), the two gradients backward, every call to the whole group;
+    hierarchical: hop 1 (two count tables, rows, index and gate, combine forward; both
+    row gradients and the gate gradient backward) to the group, hop 2 (count table,
+    dispatch, combine forward; two gradients backward) inside the node."""
+    if mode == "flat":
+        return 3 * passes + 2, 0
+    return 5 * passes + 3, 3 * passes + 2
 
 
 def a2a_row_bytes(mode: str, precision: str, D: int) -> tuple:
@@ -231,7 +250,9 @@ def _expert_tensor(w, plan, moe_blocks, book) -> None:
         rows += len(moe_blocks) * passes * 2 * n * r * own
     table = n * (moe.num_experts // plan.ep) * 8 * len(moe_blocks) * len(w.stream_tokens)
     table *= passes - 1
-    book("a2a", "etp", (rows * w.model_cfg.d_model * 4 + table) * micro_count(w, plan))
+    calls = (2 * passes + passes - 1) * len(moe_blocks) * len(w.stream_tokens)
+    book("a2a", "etp", (rows * w.model_cfg.d_model * 4 + table) * micro_count(w, plan),
+         calls * micro_count(w, plan))
 
 
 def _context(w, plan, state, book) -> None:
@@ -248,14 +269,18 @@ def _context(w, plan, state, book) -> None:
     KV = micro_seqs(w, plan) * local_tokens(plan, w.stream_tokens["decoder"]) * \
         w.model_cfg.attention_score_width() / plan.tp
     layers = len(w.blocks_on(state, plan))
-    if plan.cp_mode == "ring":
+    if plan.cp_mode == "ring":   # a send of k and v per hop forward; k, v, dk, dv backward
         fwd, bwd = (n - 1) * KV * 4, (2 * (n - 1) + 1) * KV * 4
-        book("p2p", "cp", (fwd * (1 + again) + bwd) * layers * m)
+        book("p2p", "cp", (fwd * (1 + again) + bwd) * layers * m,
+             ((n - 1) * (1 + again) + n) * layers * m)
     else:  # q, k, v and o: twice the key + value width
         a = act_bytes(plan.precision)
-        book("a2a", "cp", (2 * (1 + again) + 2) * KV * a * layers * m)
+        book("a2a", "cp", (2 * (1 + again) + 2) * KV * a * layers * m,
+             4 * (2 + again) * layers * m)
     if w.has_moe() and w.moe_cfg.balance_loss == "sequence":
-        book("reduce", "cp", _sequence_stats(w, plan, state) * (1 + again) * m)
+        moe_layers = sum(w.is_moe_block(i) for i in w.blocks_on(state, plan))
+        book("reduce", "cp", _sequence_stats(w, plan, state) * (1 + again) * m,
+             moe_layers * (1 + again) * m)
 
 
 def _sequence_stats(w, plan, state) -> float:
@@ -276,29 +301,36 @@ def _tensor(w, plan, state, book, out, events) -> None:
     a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, micro_count(w, plan)
     S, D, V = local_tokens(plan, w.stream_tokens["decoder"]), w.model_cfg.d_model, w.model_cfg.vocab_size
     full, part = seqs * S * D * a, seqs * S * D * a / tp
-    dtensor, fwd_only, moe_layers = 0.0, 0.0, 0
-    for i in w.blocks_on(state, plan):
+    dtensor, fwd_only, moe_layers, calls = 0.0, 0.0, 0, 0
+    blocks = w.blocks_on(state, plan)
+    for i in blocks:
         attn = part + full                       # gather the sequence, reduce-scatter wo
         ffn = 0 if w.is_moe_block(i) else part + full
         moe_layers += w.is_moe_block(i)
         fwd_only += attn + ffn
         dtensor += 2 * (attn + ffn)              # backward mirrors each
+        calls += 4 if w.is_moe_block(i) else 8
+    again = plan.recompute == "full"             # recomputation repeats the forward ones
     if state.first_stage:
         dtensor += full                          # vocab-parallel embedding all-reduce
-        book("gather", "tp", part * m)           # the sequence split's backward
+        calls += 1
+        book("gather", "tp", part * m, m)        # the sequence split's backward
     if state.last_stage:
         dtensor += part + full + seqs * S * (V / tp) * a   # head input gather (+ bwd), logits
-    if plan.recompute == "full":
+        calls += 3
+    if again:
         dtensor += fwd_only
+        calls += calls // 2
     dtensor = int(dtensor * m + state.replicated_tp_bytes)
+    calls = calls * m + 2 * len(blocks) + state.last_stage   # each norm weight's gradient
     out["tensor_parallel"] += dtensor
-    events.append(("tensor_parallel", "reduce_scatter_pair", "tp", tp, dtensor))
-    again = plan.recompute == "full"             # recomputation repeats the forward ones
+    events.append(("tensor_parallel", "reduce_scatter_pair", "tp", tp, dtensor, calls))
+    per = moe_layers * m
     if w.moe_whole_sequences():                  # sequence <-> batch all-to-all
-        book("a2a", "tp", (4 + 2 * again) * part * moe_layers * m)
+        book("a2a", "tp", (4 + 2 * again) * part * per, (4 + 2 * again) * per)
     elif w.has_moe() and w.moe_cfg.balance_loss == "sequence":  # the split's statistics
-        book("reduce", "tp", _sequence_stats(w, plan, state) * (1 + again) * m)
-    book("reduce", "tp", 4 * (1 + again) * moe_layers * m)        # the MoE aux loss' tp mean
+        book("reduce", "tp", _sequence_stats(w, plan, state) * (1 + again) * m, (1 + again) * per)
+    book("reduce", "tp", 4 * (1 + again) * per, (1 + again) * per)   # the MoE aux loss' tp mean
 
 
 def _grid_tensor(w, plan, state, book) -> None:
@@ -309,24 +341,27 @@ def _grid_tensor(w, plan, state, book) -> None:
     D, F, V, r = mc.d_model, mc.d_ff, mc.vocab_size, 4
     norm_ars = 2 if mc.norm == "layernorm" else 1
     fwd, bwd = Counter(), Counter()          # (collective, dim) -> bytes of one micro-batch
+    calls = Counter()                        # (collective, dim) -> calls of one micro-batch
 
     n = [1]                                 # blocks of the kind being counted
 
+    def pair(f, b, f_bytes, b_bytes):       # one forward and one backward collective
+        fwd[f] += n[0] * f_bytes
+        bwd[b] += n[0] * b_bytes
+        calls[f] += n[0]
+        calls[b] += n[0]
+
     def norm():
-        fwd["reduce", "tpc"] += n[0] * norm_ars * T * 4
-        bwd["reduce", "tpc"] += n[0] * norm_ars * T * 4
+        pair(("reduce", "tpc"), ("reduce", "tpc"), norm_ars * T * 4, norm_ars * T * 4)
 
     def gathered(width, nbytes):            # a matmul input [T, width/q] gathered over tpc
-        fwd["gather", "tpc"] += n[0] * T * width / q * nbytes
-        bwd["scatter", "tpc"] += n[0] * T * width * nbytes
+        pair(("gather", "tpc"), ("scatter", "tpc"), T * width / q * nbytes, T * width * nbytes)
 
     def weight(d_in, d_out):                # a weight block gathered over tpr (fp32)
-        fwd["gather", "tpr"] += n[0] * d_in * d_out / q ** 2 * 4
-        bwd["scatter", "tpr"] += n[0] * d_in * d_out / q * 4
+        pair(("gather", "tpr"), ("scatter", "tpr"), d_in * d_out / q ** 2 * 4, d_in * d_out / q * 4)
 
     def scattered(width, nbytes):           # partial outputs [T, width] reduce-scattered
-        fwd["scatter", "tpc"] += n[0] * T * width * nbytes
-        bwd["gather", "tpc"] += n[0] * T * width / q * nbytes
+        pair(("scatter", "tpc"), ("gather", "tpc"), T * width * nbytes, T * width / q * nbytes)
 
     ids = w.blocks_on(state, plan)
     n_moe = sum(w.is_moe_block(i) for i in ids)
@@ -338,8 +373,8 @@ def _grid_tensor(w, plan, state, book) -> None:
         for _ in range(4):
             weight(D, D)
         if is_moe:                          # [T, D/q] -> [T/q, D] and back
-            fwd["a2a", "tpc"] += n[0] * 2 * T * D / q * r
-            bwd["a2a", "tpc"] += n[0] * 2 * T * D / q * r
+            pair(("a2a", "tpc"), ("a2a", "tpc"), 2 * T * D / q * r, 2 * T * D / q * r)
+            calls["a2a", "tpc"] += 2 * n[0]
             shared = w.moe_cfg.num_shared_experts * w.expert_d_ff
             if shared:                      # the shared experts: a dense FFN on the grid
                 gathered(D, r), scattered(D, a)
@@ -349,22 +384,23 @@ def _grid_tensor(w, plan, state, book) -> None:
             gathered(D, r), scattered(D, a)   # w1 (w3) input, w2's partial outputs
             for _ in range(3 if w.gated else 2):
                 weight(D, F)
-    blocks = Counter(fwd) if plan.recompute == "full" else Counter()  # recompute repeats them
+    again = plan.recompute == "full"
+    blocks = Counter(fwd) if again else Counter()  # recompute repeats them
+    fwd_calls = Counter({k: v // 2 for k, v in calls.items()}) if again else Counter()
     n[0] = 1
     if state.first_stage:
         weight(V, D)
-        fwd["scatter", "tpc"] += T * D * 4
-        bwd["gather", "tpc"] += T * D / q * 4
+        pair(("scatter", "tpc"), ("gather", "tpc"), T * D * 4, T * D / q * 4)
     if state.last_stage:
         norm()
         gathered(D, r)
         weight(V, D)
-        fwd["gather", "tpc"] += T * V / q * a
-        fwd["gather", "tpr"] += T * V * a
-        fwd["gather", "tpd"] += q * T * V * a
+        for dim, nbytes in (("tpc", T * V / q * a), ("tpr", T * V * a), ("tpd", q * T * V * a)):
+            fwd["gather", dim] += nbytes
+            calls["gather", dim] += 1
+    calls += fwd_calls
     for (collective, dim), nbytes in (fwd + bwd + blocks).items():
-        book(collective, dim, nbytes * m)
+        book(collective, dim, nbytes * m, calls[collective, dim] * m)
     for dim, nbytes in state.grid_grad_sums.items():
         book("reduce", dim, nbytes)
-    again = plan.recompute == "full"
-    book("reduce", "tp", 4 * (1 + again) * n_moe * m)        # the MoE aux loss' tp mean
+    book("reduce", "tp", 4 * (1 + again) * n_moe * m, (1 + again) * n_moe * m)  # aux loss' tp mean

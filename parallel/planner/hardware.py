@@ -28,9 +28,29 @@ How the planner's numbers come from them -- one rule for every preset, nothing p
                              when that is below GEMM_EFFICIENCY (dense GEMMs, all inside the
                              measured range in the published layouts, stay at it); the rule
                              is stated at gemm_efficiency
-  collective bandwidth     = link x BUS_EFFICIENCY (0.80: ring/pairwise collectives reach
-                             about 80% of the per-direction link rate as bus bandwidth),
-                             NVLink/Infinity Fabric inside a node, the NIC between nodes
+  collective bandwidth     = link x the bus bandwidth NCCL reaches on it, as NVIDIA's NCCL
+                             engineers state it for nccl-tests: inside a node (NVLink,
+                             Infinity Fabric) SCALE_UP_EFFICIENCY = 370 / 450 (NVLink 4's
+                             450 GB/s line rate gives about 370 GB/s after the protocol's
+                             overhead, S. Jeaugey, NVIDIA/nccl-tests#212), between nodes
+                             SCALE_OUT_EFFICIENCY = 47 / 50 (a 400 Gb/s NDR NIC should reach
+                             46-48 GB/s, NVIDIA/nccl-tests#290; an all-to-all gets one NIC's
+                             rate per GPU, NVIDIA/nccl-tests#267)
+  collectives by size      every collective call pays a latency besides its bytes: NCCL's
+                             own cost model (src/graph/tuning.cc, ncclTopoTuneModel, ring
+                             algorithm, NCCL 2.2x): per protocol p in (LL, LL128, Simple)
+                             t_p = base_p + s_intra hop_p(NVLink) + s_inter hop_p(network)
+                                   + wire bytes of the call / (bandwidth x share_p),
+                             the call's time the fastest protocol's (NCCL picks it), with
+                             base (6.6, 14.0, 8.4) us, hop over NVLink (0.6, 1.9, 3.4) us,
+                             over the network (2.7, 4.0, 14.0) us, share (1/4, 0.92, 1);
+                             ring steps s: all-reduce 2(P-1) (2n of them between the n
+                             nodes when n > 1), all-gather and reduce-scatter P-1 (n-1);
+                             all-to-all and send/recv one step (every peer at once; a
+                             network step where the group spans nodes). Small messages
+                             thus run at a fraction of the bus bandwidth, as nccl-tests
+                             curves show; at the tens of MB of the published runs' calls
+                             the latency is a few percent
   host copies              = PCIe x16 per direction x 0.80 (offload)
   MFU                      = model FLOPs per GPU per second / the *peak* (not achievable)
 A custom machine: --flops (achievable), --peak-flops, --gpu-mem, --intra-bw, --inter-bw.
@@ -39,7 +59,9 @@ import math
 from dataclasses import dataclass, replace
 
 GEMM_EFFICIENCY = 0.70
-BUS_EFFICIENCY = 0.80
+SCALE_UP_EFFICIENCY = 370.0 / 450.0     # NVLink 4: busbw / line rate (nccl-tests#212)
+SCALE_OUT_EFFICIENCY = 47.0 / 50.0      # NDR 400 Gb/s: 46-48 GB/s per NIC (nccl-tests#290)
+HOST_EFFICIENCY = 0.80                  # PCIe x16 copies (offload)
 # bf16 matmuls measured by bench/gemm_efficiency.py on an H200 (torch 2.11, cuBLAS):
 # (m, k, n, share of the 989 TFLOP/s peak)
 GEMM_MEASURED = ((8192, 8192, 8192, 0.770), (8192, 4096, 14336, 0.755),
@@ -107,6 +129,34 @@ def gemm_efficiency(m: float, k: float, n: float, hw: "Hardware" = None) -> floa
     return share
 
 
+# NCCL's ring cost model (see "collectives by size" above): per protocol (LL, LL128, Simple)
+NCCL_BASE_US = (6.6, 14.0, 8.4)
+NCCL_HOP_US = {"intra": (0.6, 1.9, 3.4), "inter": (2.7, 4.0, 14.0)}
+NCCL_BW_SHARE = (0.25, 0.92, 1.0)
+
+
+def ring_steps(collective: str, ranks: int, nodes: int) -> tuple:
+    """(ring steps, of them between nodes) of one call on a group of `ranks` over `nodes`."""
+    if collective == "reduce":
+        return 2 * (ranks - 1), (2 * nodes if nodes > 1 else 0)
+    if collective in ("gather", "scatter", "reduce_scatter_pair"):
+        return ranks - 1, nodes - 1
+    return 1, int(nodes > 1)
+
+
+def call_seconds(collective: str, ranks: int, nodes: int, wire_bytes: float,
+                 bandwidth: float) -> float:
+    """Seconds of one collective call putting wire_bytes on links of `bandwidth` bytes/s:
+    the fastest protocol of NCCL's ring cost model (module docstring)."""
+    steps, inter = ring_steps(collective, ranks, nodes)
+    best = float("inf")
+    for p, share in enumerate(NCCL_BW_SHARE):
+        latency = NCCL_BASE_US[p] + (steps - inter) * NCCL_HOP_US["intra"][p] + \
+            inter * NCCL_HOP_US["inter"][p]
+        best = min(best, latency * 1e-6 + wire_bytes / (bandwidth * share))
+    return best
+
+
 def preset(name: str, gpus_per_node: int = 8) -> Hardware:
     """The Hardware of a data-sheet GPU (see the module docstring for the derivation)."""
     if name not in DATA_SHEETS:
@@ -114,8 +164,9 @@ def preset(name: str, gpus_per_node: int = 8) -> Hardware:
                          f"(or give --flops/--gpu-mem/--intra-bw/--inter-bw)")
     peak, mem, link, nic_gbit, pcie, hbm = DATA_SHEETS[name]
     return Hardware(gpu_mem_gb=mem, gpus_per_node=gpus_per_node,
-                    intra_bw_gbs=link * BUS_EFFICIENCY, inter_bw_gbs=nic_gbit / 8 * BUS_EFFICIENCY,
-                    tflops=peak * GEMM_EFFICIENCY, host_bw_gbs=pcie * BUS_EFFICIENCY,
+                    intra_bw_gbs=link * SCALE_UP_EFFICIENCY,
+                    inter_bw_gbs=nic_gbit / 8 * SCALE_OUT_EFFICIENCY,
+                    tflops=peak * GEMM_EFFICIENCY, host_bw_gbs=pcie * HOST_EFFICIENCY,
                     peak_tflops=peak, hbm_tbs=hbm, name=name)
 
 

@@ -4,12 +4,14 @@
   t_compute  = rank FLOPs / (--flops, the achievable dense TFLOP/s of one GPU), the expert
                GEMMs' FLOPs stretched by expert_gemm_slowdown where their per-expert shape
                runs below the preset's GEMM efficiency (hardware.gemm_efficiency)
-  t_x        = wire bytes of collective x / bandwidth of its group, where a group within one
-               node (--gpus-per-node consecutive ranks) uses --intra-bw and any other
-               --inter-bw (GB/s per GPU); wire bytes from the ledger payload of a ring/
-               pairwise algorithm on P ranks: all-reduce 2(P-1)/P x, all-gather (P-1) x
-               (payload = the shard), reduce-scatter and all-to-all (P-1)/P x, send 1 x,
-               tensor-parallel DTensor traffic 1 x
+  t_x        = the calls of collective x, each at hardware.call_seconds: its share of the
+               wire bytes / bandwidth of its group, where a group within one node
+               (--gpus-per-node consecutive ranks) uses --intra-bw and any other --inter-bw
+               (GB/s per GPU), plus the call's latency by NCCL's cost model (so a small
+               message runs below the bus bandwidth); wire bytes from the ledger payload
+               of a ring/pairwise algorithm on P ranks: all-reduce 2(P-1)/P x, all-gather
+               (P-1) x (payload = the shard), reduce-scatter and all-to-all (P-1)/P x,
+               send 1 x, tensor-parallel DTensor traffic 1 x; calls counted in comm.py
   t_host     = ZeRO-Offload's host <-> device copies / --host-bw (GB/s, PCIe): offload=
                optimizer moves the held gradient shard/slice down and the updated one up
                (2 x stepped bytes); offload=params also copies every FSDP2 shard up for each
@@ -44,7 +46,7 @@ after backward), the gradient-norm all-reduce and offload's gradient copies stay
 The truth on a GPU lies between the two bounds; neither is a measurement.
 """
 from ..mesh import rank_groups
-from .hardware import GEMM_EFFICIENCY, Hardware, gemm_efficiency
+from .hardware import GEMM_EFFICIENCY, Hardware, call_seconds, gemm_efficiency
 from .memory import micro_seqs
 
 INSIDE_STEP = {"tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
@@ -56,12 +58,14 @@ _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
 _LINKS = {"ep@intra": "intra", "ep@inter": "inter"}
 
 
-def _bandwidth(groups: dict, rank: int, dim: str, hw: Hardware, node_size: int) -> float:
+def _link(groups: dict, rank: int, dim: str, hw: Hardware, node_size: int) -> tuple:
+    """(bandwidth in bytes/s, nodes the group spans) of `rank`'s group on dim."""
     if dim in _LINKS:
-        return (hw.intra_bw_gbs if _LINKS[dim] == "intra" else hw.inter_bw_gbs) * 1e9
+        inside = _LINKS[dim] == "intra"
+        return (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9, 1 if inside else 2
     ranks = next((g for g in groups.get(dim, [[rank]]) if rank in g), [rank])
-    inside = len({r // node_size for r in ranks}) == 1
-    return (hw.intra_bw_gbs if inside else hw.inter_bw_gbs) * 1e9
+    nodes = len({r // node_size for r in ranks})
+    return (hw.intra_bw_gbs if nodes == 1 else hw.inter_bw_gbs) * 1e9, nodes
 
 
 def node_size(plan, hw: Hardware) -> int:
@@ -73,7 +77,7 @@ def node_size(plan, hw: Hardware) -> int:
 def a2a_by_node(events) -> dict:
     """{expert_all_to_all_intra_node, expert_all_to_all_inter_node: bytes} of the events."""
     out = {f"expert_all_to_all_{side}_node": 0 for side in ("intra", "inter")}
-    for kind, _, dim, _, n in events:
+    for kind, _, dim, _, n, _ in events:
         if dim in _LINKS:
             out[f"{kind}_{_LINKS[dim]}_node"] += n
     return out if any(out.values()) else {}
@@ -81,15 +85,18 @@ def a2a_by_node(events) -> dict:
 
 def wire_bytes(events) -> int:
     """Bytes a rank puts on the wire for its events (the algorithm factors above)."""
-    return int(sum(n * _WIRE.get(c, lambda P: 1.0)(size) for _, c, _, size, n in events))
+    return int(sum(n * _WIRE.get(c, lambda P: 1.0)(size) for _, c, _, size, n, _ in events))
 
 
 def comm_seconds(events, plan, rank: int, hw: Hardware) -> dict:
     """{kind: seconds} of this rank's events."""
     out, groups = {}, rank_groups(plan) if events else {}
-    for kind, collective, dim, size, nbytes in events:
+    for kind, collective, dim, size, nbytes, calls in events:
         wire = nbytes * _WIRE.get(collective, lambda P: 1.0)(size)
-        out[kind] = out.get(kind, 0.0) + wire / _bandwidth(groups, rank, dim, hw, node_size(plan, hw))
+        bandwidth, nodes = _link(groups, rank, dim, hw, node_size(plan, hw))
+        seconds = calls * call_seconds(collective, size, nodes, wire / calls, bandwidth) \
+            if calls else wire / bandwidth
+        out[kind] = out.get(kind, 0.0) + seconds
     return out
 
 
