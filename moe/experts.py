@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
+from .fp8 import check_block_dims, fp8_matmul
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
@@ -158,6 +159,7 @@ class ExpertBank(nn.Module):
         self.activation, self.gated = activation, self.act.gated
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
+        self.fp8 = False  # parallel.precision=fp8 (set_fp8)
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_local, d_ff, d_model))
         self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_ff)) if self.gated else None
@@ -170,6 +172,13 @@ class ExpertBank(nn.Module):
         """Keep only the pre-activations and compute the activation again in backward
         (parallel.recompute_modules=moe_act)."""
         self.act = dataclasses.replace(self.act, recompute=on)
+
+    def set_fp8(self, on: bool) -> None:
+        """Run every GEMM of the bank in fine-grained FP8 (moe/fp8.py: 1 x 128 activation
+        tiles, 128 x 128 weight blocks, fp32 accumulation; parallel.precision=fp8)."""
+        if on:
+            check_block_dims(*self.w1.shape[1:], where="expert bank's w1 [d_model, d_ff]")
+        self.fp8 = on
 
     @property
     def num_local(self) -> int:
@@ -213,6 +222,8 @@ class ExpertBank(nn.Module):
         params = self.weights() if extend is None else tuple(extend(self.weights()))
         if len(counts) != params[0].shape[0]:
             raise ValueError(f"counts has {len(counts)} entries for {params[0].shape[0]} local experts")
+        if self.fp8:
+            return self._forward_fp8(x_ND, counts, params)
         impl = self.impl_for(x_ND)
         if impl != "grouped_mm" and isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # the loops slice on the host
@@ -253,6 +264,38 @@ class ExpertBank(nn.Module):
             outs.append(checkpoint(_act_out, *args, use_reentrant=False) if self.act.recompute
                         else _act_out(*args))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+    def _forward_fp8(self, x_ND: torch.Tensor, counts, params: tuple) -> torch.Tensor:
+        """Each expert's GEMMs in fine-grained FP8 (fp8_matmul), their inputs, the biases and
+        the activation in the compute dtype (autocast's, bf16 under precision=fp8)."""
+        dev = x_ND.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_ND.dtype
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        x_ND = x_ND.to(dt)
+        if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
+            return x_ND @ params[0][0, :, :0].to(dt) @ params[1][0, :0, :].to(dt)
+        w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in params)
+        outs = []
+        with torch.autocast(dev, enabled=False):
+            for e, x_nD in enumerate(torch.split(x_ND, counts)):
+                if counts[e] == 0:
+                    continue
+                h_nF = _fp8_linear(x_nD, w1[e], None if b1 is None else b1[e])
+                h3_nF = _fp8_linear(x_nD, w3[e], None if b3 is None else b3[e]) if self.gated else None
+                args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e])
+                outs.append(checkpoint(_act_out_fp8, *args, use_reentrant=False)
+                            if self.act.recompute else _act_out_fp8(*args))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _fp8_linear(x_nK, w_KN, b_N):
+    y = fp8_matmul(x_nK, w_KN)
+    return y if b_N is None else y + b_N.to(y.dtype)
+
+
+def _act_out_fp8(act, h_nF, h3_nF, w2_FD, b2_D):
+    return _fp8_linear(act(h_nF, h3_nF), w2_FD, b2_D)
 
 
 def _act_out(act, h_nF, h3_nF, w2_FD, b2_D):

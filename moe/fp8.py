@@ -9,9 +9,12 @@ Shapes: T rows (tokens), K the reduced dim, N the output dim, E experts, tiles o
   values       x / scale rounded to float8 e4m3 (|x| / scale <= 448: never saturates)
 A GEMM on quantized operands equals the GEMM of their dequantized values accumulated in fp32
 (how Hopper's FP8 tensor cores with DeepSeek's promotion accumulate): `fp8_matmul` computes
-exactly that -- dequantize, then an fp32 matmul -- and passes gradients straight through the
-rounding (the backward GEMMs run on the dequantized operands). Not yet a training precision:
-the building block of parallel.precision=fp8 (issue 47).
+exactly that -- dequantize, then an fp32 matmul (autocast off) -- and passes gradients
+straight through the rounding. Backward is FP8 too, as in DeepSeek-V3: the input gradient
+dx = dy w^T quantizes dy per 1 x 128 tile of its rows (along N, the reduced dim) against the
+same weight blocks; the weight gradient dw = x^T dy quantizes x and dy per 128 x 1 tile
+along T (the reduced dim there). parallel.precision=fp8 runs every expert bank (routed
+experts, shared experts, dense FFNs) through it (ExpertBank.set_fp8).
 Weights whose K or N is not a multiple of 128 are refused: their blocks would straddle rows
 no kernel tiles that way.
 """
@@ -19,8 +22,8 @@ import torch
 
 from .wire import E4M3, E4M3_MAX, TILE, dequantize_tiles, quantize_tiles
 
-__all__ = ["TILE", "quantize_blocks", "dequantize_blocks", "qdq_rows", "qdq_blocks", "fp8_matmul",
-           "check_block_dims"]
+__all__ = ["TILE", "quantize_blocks", "dequantize_blocks", "qdq_rows", "qdq_cols", "qdq_blocks",
+           "fp8_matmul", "check_block_dims"]
 
 
 def check_block_dims(K: int, N: int, where: str = "expert weight") -> None:
@@ -60,23 +63,32 @@ def qdq_blocks(w_KN: torch.Tensor) -> torch.Tensor:
     return dequantize_blocks(*quantize_blocks(w_KN))
 
 
+def qdq_cols(x_TK: torch.Tensor) -> torch.Tensor:
+    """x_TK [T, K] rounded as its 128 x 1 tiles (along T) quantize (fp32 values)."""
+    return qdq_rows(x_TK.mT.contiguous()).mT
+
+
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, w_KN):
-        xq, wq = qdq_rows(x_TK), qdq_blocks(w_KN)
-        ctx.save_for_backward(xq, wq)
-        ctx.dtypes = (x_TK.dtype, w_KN.dtype)
+        x2 = x_TK.reshape(-1, x_TK.shape[-1])
+        wq = qdq_blocks(w_KN)
+        ctx.save_for_backward(x2, wq)
+        ctx.dtypes, ctx.shape = (x_TK.dtype, w_KN.dtype), x_TK.shape
         # within a 128-long stretch of K both operands share one scale each, so the fp32 GEMM
         # of the dequantized values is the kernel's sx * sw * sum(qx * qw), up to fp32 order
-        return torch.matmul(xq, wq).to(x_TK.dtype)
+        with torch.autocast(x_TK.device.type, enabled=False):
+            y = torch.matmul(qdq_rows(x2), wq)
+        return y.view(*x_TK.shape[:-1], w_KN.shape[-1]).to(x_TK.dtype)
 
     @staticmethod
     def backward(ctx, dy_TN):
-        xq, wq = ctx.saved_tensors
-        dy = dy_TN.float()
-        dx = torch.matmul(dy, wq.mT).to(ctx.dtypes[0])
-        dw = torch.matmul(xq.reshape(-1, xq.shape[-1]).mT, dy.reshape(-1, dy.shape[-1])).to(ctx.dtypes[1])
-        return dx, dw
+        x2, wq = ctx.saved_tensors
+        dy = dy_TN.reshape(-1, dy_TN.shape[-1])
+        with torch.autocast(dy.device.type, enabled=False):
+            dx = torch.matmul(qdq_rows(dy), wq.mT)
+            dw = torch.matmul(qdq_cols(x2).mT, qdq_cols(dy))
+        return dx.view(ctx.shape).to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
 
 
 def fp8_matmul(x_TK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:

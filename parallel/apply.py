@@ -77,6 +77,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if plan.precision != "fp32":
         from .precision import apply_precision
         apply_precision(model, plan.precision)
+    if plan.precision == "fp8":
+        from .fp8 import apply_fp8
+        apply_fp8(model, plan.fp8_recipe)
     if plan.recompute != "none":
         from .recompute import apply_recompute
         apply_recompute(blocks(model), plan.recompute, plan.recompute_parts)

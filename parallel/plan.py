@@ -26,7 +26,8 @@ from .pipeline.schedules import (MULTI_STAGE_SCHEDULES, PP_SCHEDULES, V_SCHEDULE
                                  stage_ids)
 
 TP_MODES = ("1d", "2d", "2.5d")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")   # parallel/fp8.py (torchao's recipe names)
 RECOMPUTE = ("none", "full", "selective")
 # parallel.recompute=selective's parts (parallel/recompute.py; Megatron's names)
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "mla_up_proj", "shared_experts",
@@ -60,7 +61,8 @@ class ParallelPlan:
     pp_stages_per_rank: int = field(default=0, metadata={"help": "model chunks per pipeline rank; 0 = auto (2 for interleaved_1f1b, zb_interleaved, zbv and dualpipev, else 1)"})
     pp_layers: str = field(default="", metadata={"help": "blocks per pipeline stage: '' = even (n_layers divisible by the stages) | 'auto' = balanced by predicted time and parameters (the embedding on the first stage, head and loss on the last) | '3,4,4,3' = explicit, one count per stage (pp x stages per rank); stages without MoE layers are fine under any ep"})
     microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per optimizer step (pp>1 only); 0 = auto: pp (one per stage)"})
-    precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling)"})
+    precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling) | fp8 (bf16 plus FP8 GEMMs: expert banks -- routed, shared, dense FFNs -- in DeepSeek-V3's 1x128-tile / 128x128-block scaling, other Linears of the blocks through torchao float8 with parallel.fp8_recipe; embedding, head, norms and routers stay bf16/fp32; parallel/fp8.py)"})
+    fp8_recipe: str = field(default="tensorwise", metadata={"help": "precision=fp8 only: torchao's float8 recipe for the blocks' nn.Linears (attention projections): tensorwise (default; one scale per tensor, the fastest) | rowwise (one scale per row: more accurate with outliers)"})
     param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2; under ZeRO-3 FSDP2 gathers and reduces in bf16, its fp32 shards the masters: the ZeRO paper's mixed precision, K=12; needs zero 1-3 and precision=bf16; checkpoints keep the fp32 masters)"})
     a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); under pp > 1 the schedule's neighbouring forward/backward pairs (1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev; parallel/pipeline/overlap.py); same function; two micro-batches' activations live at once; needs ep > 1"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward) | selective (only the parts parallel.recompute_modules names)"})
@@ -172,6 +174,7 @@ class ParallelPlan:
             _check_a2a_overlap(plan, moe_cfg)
             _check_dispatch_dtype(plan, moe_cfg)
             _check_nodes(plan, moe_cfg)
+        _check_fp8(plan, model_cfg, moe_cfg)
         if model_cfg is not None:
             _check_model(plan, model_cfg, moe_cfg)
             if plan.pp > 1 and getattr(model_cfg, "n_layers", None) is not None:
@@ -200,6 +203,12 @@ def _check_choices(p: ParallelPlan) -> None:
         raise _err(f"parallel.zero={p.zero!r} must be 0, 1, 2 or 3")
     if not isinstance(p.compile, bool):
         raise _err(f"parallel.compile={p.compile!r} must be true or false")
+    if p.fp8_recipe not in FP8_RECIPES:
+        raise _err(f"parallel.fp8_recipe={p.fp8_recipe!r} is not supported; use one of "
+                   f"{', '.join(FP8_RECIPES)}")
+    if p.fp8_recipe != "tensorwise" and p.precision != "fp8":
+        raise _err(f"parallel.fp8_recipe={p.fp8_recipe} needs parallel.precision=fp8 (got "
+                   f"{p.precision}); set precision=fp8 or drop fp8_recipe")
     if p.precision == "fp16" and isinstance(p.pp, int) and p.pp > 1:
         raise _err(f"parallel.precision='fp16' is not supported with parallel.pp={p.pp} (the loss "
                    f"scale would have to reach every stage's aux losses); use precision='bf16', "
@@ -672,6 +681,30 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
     if p.etp > 1:
         _check_etp_model(p, m, moe_cfg)
     _check_recompute_model(p, m, moe_cfg)
+
+
+def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
+    """precision=fp8 (parallel/fp8.py): what it does not compose with yet, and the dims its
+    128 x 128 weight blocks must tile (m, moe_cfg: None = not known here)."""
+    if p.precision != "fp8":
+        return
+    for bad, what in ((p.tp > 1, f"parallel.tp={p.tp}: torchao's float8 Linears are not wired "
+                       f"into this toolkit's tensor-parallel DTensor split yet; set tp=1"),
+                      (p.etp > 1, f"parallel.etp={p.etp}: the 128 x 128 weight blocks of an "
+                       f"expert split over etp are not implemented; set etp=1"),
+                      (p.param_dtype != "fp32", f"parallel.param_dtype={p.param_dtype}: the FP8 "
+                       f"casts read fp32 masters; set param_dtype=fp32")):
+        if bad:
+            raise _err(f"parallel.precision=fp8 with {what} (or use precision=bf16)")
+    dims = [("model.d_model", getattr(m, "d_model", None))]
+    if moe_cfg is not None and _has_moe(moe_cfg) and getattr(moe_cfg, "d_ff", 0):
+        dims.append(("moe.d_ff", moe_cfg.d_ff))
+    dims.append(("model.d_ff", getattr(m, "d_ff", None)))
+    for name, v in dims:
+        if isinstance(v, int) and v % 128:
+            raise _err(f"parallel.precision=fp8 needs {name} to be a multiple of 128 (got {v}: "
+                       f"the expert GEMMs' 128 x 128 weight blocks); change {name} or use "
+                       f"precision=bf16")
 
 
 def _check_tp_attention(p: ParallelPlan, m) -> None:

@@ -13,7 +13,7 @@ import torch
 from models.blocks import blocks
 from moe import Router
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 + FP8 GEMMs
 
 
 def _device_type(module) -> str:
@@ -38,7 +38,7 @@ def apply_precision(model, precision: str) -> None:
     if precision == "fp32":
         return
     if precision not in DTYPES:
-        raise ValueError(f"parallel.precision={precision!r}; use fp32, bf16 or fp16")
+        raise ValueError(f"parallel.precision={precision!r}; use fp32, bf16, fp16 or fp8")
     for m in model.modules():
         if isinstance(m, Router):
             _wrap(m, enabled=False)

@@ -4,7 +4,7 @@ the zero tile, and the emulated GEMM against the fp32 GEMM of the rounded operan
 import pytest
 import torch
 
-from moe.fp8 import dequantize_blocks, fp8_matmul, qdq_blocks, qdq_rows, quantize_blocks
+from moe.fp8 import dequantize_blocks, fp8_matmul, qdq_blocks, qdq_cols, qdq_rows, quantize_blocks
 
 
 def test_weight_blocks_scale_by_their_own_amax():
@@ -45,16 +45,34 @@ def test_bank_blocks_are_per_expert_and_odd_dims_are_refused():
         quantize_blocks(torch.randn(128, 200))
 
 
-def test_emulated_gemm_is_the_fp32_gemm_of_the_rounded_operands_and_grads_pass_through():
+def test_emulated_gemm_is_the_fp32_gemm_of_the_rounded_operands_backward_too():
+    """Forward: x per 1 x 128 tile, w per 128 x 128 block. Backward (DeepSeek-V3's): dx from
+    dy tiled 1 x 128 along N against the same blocks; dw from x and dy tiled 128 x 1 along T.
+    T = 200 leaves a partial tile along T (padded with zeros for its amax)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 256, generator=g, requires_grad=True)
+    x = torch.randn(200, 256, generator=g, requires_grad=True)
     w = torch.randn(256, 128, generator=g, requires_grad=True)
     y = fp8_matmul(x, w)
     want = qdq_rows(x.detach()) @ qdq_blocks(w.detach())
     assert torch.equal(y.detach(), want)
     rel = (y.detach() - x.detach() @ w.detach()).norm() / (x.detach() @ w.detach()).norm()
     assert 1e-3 < rel < 0.06                 # e4m3: 3 mantissa bits, a few per cent per GEMM
-    dy = torch.randn(64, 128, generator=g)
+    dy = torch.randn(200, 128, generator=g)
     y.backward(dy)
-    assert torch.allclose(x.grad, dy @ qdq_blocks(w.detach()).mT, rtol=1e-6, atol=1e-5)
-    assert torch.allclose(w.grad, qdq_rows(x.detach()).mT @ dy, rtol=1e-6, atol=1e-5)
+    assert torch.equal(x.grad, qdq_rows(dy) @ qdq_blocks(w.detach()).mT)
+    assert torch.equal(w.grad, qdq_cols(x.detach()).mT @ qdq_cols(dy))
+    # by hand: column k of x along T is its own tiles: rows 0-127 and 128-199 scale apart
+    col = x.detach()[:, 3].clone()
+    assert torch.equal(qdq_cols(x.detach())[:128, 3], qdq_rows(col[None, :128])[0])
+    assert torch.equal(qdq_cols(x.detach())[128:, 3], qdq_rows(col[None, 128:])[0])
+    assert (w.grad - x.detach().mT @ dy).norm() / (x.detach().mT @ dy).norm() < 0.06
+
+
+def test_emulated_gemm_ignores_autocast_and_returns_the_input_dtype():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 128, generator=g).bfloat16()
+    w = torch.randn(128, 128, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_matmul(x, w)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (qdq_rows(x) @ qdq_blocks(w)).bfloat16())

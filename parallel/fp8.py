@@ -1,0 +1,100 @@
+"""parallel.precision=fp8: bf16 autocast everywhere (parallel/precision.py) plus FP8 GEMMs.
+
+  expert banks   the routed experts, shared experts and dense FFNs (all ExpertBank, one
+                 expert each for the dense ones) run DeepSeek-V3's fine-grained recipe
+                 (moe/fp8.py: activations per 1 x 128 tile, weights per 128 x 128 block,
+                 fp32 accumulation, backward in FP8 too); on a CPU and on a GPU alike this
+                 is the emulation (dequantize, fp32 GEMM), bit-for-bit the kernel's
+                 quantization -- the GEMM kernels themselves are a GPU-only speed-up
+  nn.Linear      the attention projections (and any other Linear of the blocks) through
+                 torchao's float8 training (its Float8Linear, as convert_to_float8_training
+                 swaps them in; the toolkit's N(0, init_std) init kept) with the recipe
+                 parallel.fp8_recipe picks: tensorwise (default: one scale per tensor, the
+                 fastest on H100) or rowwise (one scale per row, more accurate with
+                 outliers); torchao's emulation where the device has no FP8 matmul (CPU,
+                 GPUs before compute capability 8.9)
+  kept           the embedding, the output head, norms and routers (their logits decide
+                 the routing) stay in bf16/fp32, as the peers keep them
+The master weights stay fp32 and keep their names (torchao's Float8Linear keeps `weight`),
+so checkpoints are the bf16 run's and load without FP8.
+"""
+import dataclasses
+import functools
+
+import torch
+import torch.nn as nn
+
+from models.layers import Linear
+from moe import Router
+from moe.experts import ExpertBank
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+LINEAR_MULTIPLE = 16   # torchao's FP8 matmul needs both dims of a Linear divisible by 16
+
+
+def fp8_matmul_available(device: torch.device) -> bool:
+    """Whether torch has FP8 tensor-core matmuls here (CUDA, compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _kept(model) -> set:
+    """ids of the Linears that stay out of FP8: the output head and every router's."""
+    out = {id(m) for r in model.modules() if isinstance(r, Router) for m in r.modules()}
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        out |= {id(m) for m in head.modules()}
+    return out
+
+
+def _torchao_float8(device: torch.device) -> tuple:
+    """torchao.float8's (Float8Linear, Float8LinearConfig, swap_linear_layers). Where its CUDA
+    kernels cannot load (a CPU build of torch) its import warns about each .so and torch
+    about an Enum it registers; neither matters to the emulation, so they stay quiet there."""
+    import logging
+    quiet = ("torchao", "torch.utils._pytree")
+    levels = [logging.getLogger(n).level for n in quiet]
+    if device.type != "cuda":
+        for n in quiet:
+            logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_linear_utils import swap_linear_layers
+    finally:
+        for n, level in zip(quiet, levels):
+            logging.getLogger(n).setLevel(level)
+    return Float8Linear, Float8LinearConfig, swap_linear_layers
+
+
+def apply_fp8(model: nn.Module, recipe: str) -> None:
+    """Every ExpertBank to fine-grained FP8, every other nn.Linear of the model but the head
+    and the routers to torchao's float8 training (module docstring). Raises ValueError
+    naming the field where a dimension does not tile."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"parallel.fp8_recipe={recipe!r}; use one of {', '.join(FP8_RECIPES)}")
+    for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
+        bank.set_fp8(True)
+    kept = _kept(model)
+    linears = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and id(m) not in kept]
+    for name, m in linears:
+        if m.in_features % LINEAR_MULTIPLE or m.out_features % LINEAR_MULTIPLE:
+            raise ValueError(f"parallel.precision=fp8: {name} is [{m.out_features}, "
+                             f"{m.in_features}], not a multiple of {LINEAR_MULTIPLE} (torchao's "
+                             f"FP8 matmul); change model.d_model / model.n_heads or use bf16")
+    if not linears:
+        return
+    device = next(model.parameters()).device
+    Float8Linear, Float8LinearConfig, swap_linear_layers = _torchao_float8(device)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
+                                 emulate=not fp8_matmul_available(device))
+
+    def to_float8(mod: nn.Linear) -> nn.Module:
+        new = Float8Linear.from_float(mod, config=config)   # the same weight and bias
+        if isinstance(mod, Linear):   # keep the toolkit's N(0, init_std) init for init_weights
+            new.init_std = mod.init_std
+            new.reset_parameters = functools.partial(Linear.reset_parameters, new)
+        return new
+
+    chosen = {id(m) for _, m in linears}
+    swap_linear_layers(model, to_float8, module_filter_fn=lambda mod, fqn: id(mod) in chosen)
