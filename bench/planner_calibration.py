@@ -3,8 +3,9 @@
     python bench/planner_calibration.py
 
 Each run is predicted by `python -m parallel.planner --layout` on the shipped config of its
-model, the H100 preset (hardware.py: one set of constants, nothing fitted to these runs),
-the published layout, global batch and sequence length, and its features encoded as
+model, the H100 preset (H800 for DeepSeek-V3; hardware.py: one set of constants per preset,
+nothing fitted to these runs), the published layout, global batch and sequence length, and
+its features encoded as
 overrides (precision, dispatch, overlap, recomputation). The planner gives two bounds: the
 step with nothing overlapped (`step_s`) and with everything this toolkit overlaps hidden as
 far as compute lasts (`step_s_min`); a run with the all-to-all overlap on is read at the
@@ -24,8 +25,8 @@ Runs (`published` in TFLOP/s per GPU, or tokens/s per GPU where marked):
   DeepSeek-V3, 2048 H800, PP16 (DualPipe) EP64 ZeRO-1, FP8 GEMMs: 2.664M GPU-hours for 14.8T
       tokens (its report) = 1543 tokens/s per GPU. Encoded: dualpipev with the 1F1B overlap,
       the dispatch in fp8, once per node to at most 4 nodes, recomputing MLA's
-      up-projections and the norms. The H100 preset stands in for the H800 (same compute,
-      400 GB/s NVLink instead of 900) and bf16 GEMMs for FP8 ones.
+      up-projections and the norms, FP8 GEMMs (parallel.precision=fp8), on the h800 preset
+      (the H100's compute, NVLink 400 GB/s total).
 """
 import contextlib
 import io
@@ -39,6 +40,7 @@ from commands.plan import main as plan_main  # noqa: E402
 
 BF16 = ["parallel.precision=bf16"]
 OVERLAP = ["parallel.a2a_overlap=1f1b"]
+HW = "--hw="   # a run's preset, among its overrides (default h100)
 # (run, config, world, layout, overrides, published, unit, what differs from the published run)
 RUNS = [
     ("Qwen3-30B-A3B, a2a overlap off", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
@@ -50,16 +52,19 @@ RUNS = [
     ("Qwen3-235B-A22B, overlap on", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs1 z1 rc=moe_act",
      BF16 + OVERLAP + ["train.batch_size=2048"], 276.0, "TFLOP/s", "moe_act only"),
     ("DeepSeek-V3, its report", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1 dualpipev rc=mla_up_proj+layernorm",
-     BF16 + OVERLAP + ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical", "moe.max_nodes=4"],
-     14.8e12 / (2.664e6 * 3600), "tokens/s", "H800 as H100; bf16 GEMMs for FP8"),
+     ["parallel.precision=fp8"] + OVERLAP + ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical",
+                                             "moe.max_nodes=4", HW + "h800"],
+     14.8e12 / (2.664e6 * 3600), "tokens/s", ""),
 ]
 
 
 def check(config: str, world: int, layout: str, overrides: list) -> dict:
+    hw = next((o[len(HW):] for o in overrides if o.startswith(HW)), "h100")
+    overrides = [o for o in overrides if not o.startswith(HW)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = plan_main(["--config", str(ROOT / "configs" / "models" / f"{config}.toml"), "--world",
-                        str(world), "--hw", "h100", "--layout", layout, "--json", *overrides])
+                        str(world), "--hw", hw, "--layout", layout, "--json", *overrides])
     if rc:
         raise SystemExit(f"{config}: the planner refused {layout!r}")
     return json.loads(out.getvalue())["layout"]

@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--inter-bw", type=float, help=f"per-GPU collective bandwidth between nodes, GB/s (default {hw.inter_bw_gbs:g})")
     ap.add_argument("--flops", type=float, help=f"achievable dense TFLOP/s per GPU (default {hw.tflops:g})")
     ap.add_argument("--peak-flops", type=float, help="data-sheet peak TFLOP/s per GPU, MFU's denominator (default: the preset's; none without --hw: no MFU)")
+    ap.add_argument("--fp8-flops", type=float, help="achievable dense FP8 TFLOP/s per GPU, the rate of the blocks' GEMMs under parallel.precision=fp8 (default: the preset's FP8 peak x 0.68; none on the a100 or without --hw: the bf16 rate)")
     ap.add_argument("--host-bw", type=float, help=f"host<->GPU copy bandwidth for offload, GB/s (default {hw.host_bw_gbs:g})")
     ap.add_argument("--layout", help='check one layout instead of searching, e.g. "tp2 pp8 vp4 ep64 mbs1" '
                                      "(words: parallel/planner/check.py; omitted degrees: the config's)")
@@ -93,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _POSITIVE = ("world", "top", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw", "flops",
-             "peak_flops", "host_bw")
+             "peak_flops", "host_bw", "fp8_flops")
 
 
 def _bad_numbers(args) -> str:
@@ -110,11 +111,16 @@ def _bad_numbers(args) -> str:
     return ""
 
 
+def _fp8_rate(hw: Hardware) -> str:
+    return (f", FP8 GEMMs {hw.fp8_tflops:.1f} TFLOP/s" if hw.fp8_tflops else
+            ", FP8 GEMMs at the bf16 rate (no FP8 rate known: --fp8-flops)")
+
+
 def hardware(args) -> Hardware:
     base = preset(args.hw, args.gpus_per_node) if args.hw else Hardware(gpus_per_node=args.gpus_per_node)
     return with_overrides(base, gpu_mem_gb=args.gpu_mem, intra_bw_gbs=args.intra_bw,
                           inter_bw_gbs=args.inter_bw, tflops=args.flops, host_bw_gbs=args.host_bw,
-                          peak_tflops=args.peak_flops)
+                          peak_tflops=args.peak_flops, fp8_tflops=args.fp8_flops)
 
 
 def main(argv=None) -> int:
@@ -141,7 +147,8 @@ def main(argv=None) -> int:
     head = (f"{args.config or 'defaults'} on {args.world} GPUs of {hw.gpu_mem_gb:g} GB "
             f"({hw.name}: {hw.gpus_per_node}/node, {hw.intra_bw_gbs:g}/{hw.inter_bw_gbs:g} GB/s "
             f"intra/inter, {hw.tflops:g} TFLOP/s achievable"
-            + (f" of {hw.peak_tflops:g} peak" if hw.peak_tflops else "") + "), global batch "
+            + (f" of {hw.peak_tflops:g} peak" if hw.peak_tflops else "")
+            + (_fp8_rate(hw) if cfg.parallel.precision == "fp8" else "") + "), global batch "
             f"{cfg.train.batch_size} x {'+'.join(str(v) for v in w.stream_tokens.values())} tokens")
     if args.layout:
         return check_layout(args, cfg, w, hw, costs, head)

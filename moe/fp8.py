@@ -73,7 +73,9 @@ class _FP8Matmul(torch.autograd.Function):
     def forward(ctx, x_TK, w_KN):
         x2 = x_TK.reshape(-1, x_TK.shape[-1])
         wq = qdq_blocks(w_KN)
-        ctx.save_for_backward(x2, wq)
+        # keep the operands as they are (the weight is the parameter itself: no copy) and
+        # quantize again in backward, so no FP8 or dequantized copy lives between the passes
+        ctx.save_for_backward(x2, w_KN)
         ctx.dtypes, ctx.shape = (x_TK.dtype, w_KN.dtype), x_TK.shape
         # within a 128-long stretch of K both operands share one scale each, so the fp32 GEMM
         # of the dequantized values is the kernel's sx * sw * sum(qx * qw), up to fp32 order
@@ -83,10 +85,10 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_TN):
-        x2, wq = ctx.saved_tensors
+        x2, w_KN = ctx.saved_tensors
         dy = dy_TN.reshape(-1, dy_TN.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
-            dx = torch.matmul(qdq_rows(dy), wq.mT)
+            dx = torch.matmul(qdq_rows(dy), qdq_blocks(w_KN).mT)
             dw = torch.matmul(qdq_cols(x2).mT, qdq_cols(dy))
         return dx.view(ctx.shape).to(ctx.dtypes[0]), dw.to(ctx.dtypes[1])
 

@@ -92,11 +92,13 @@ def _part(mname: str, m) -> str | None:
     return None
 
 
-def recompute_flops(costs: ModelCosts, workload, unit: Unit, parts, imbalance: float = 1.0) -> float:
-    """Forward FLOPs per token selective recomputation adds to one unit (module docstring)."""
-    out = sum(2 * unit.parts.get(p, 0) for p in parts)
+def recompute_flops(costs: ModelCosts, workload, unit: Unit, parts, imbalance: float = 1.0,
+                    gemm_time: float = 1.0) -> float:
+    """Forward FLOPs per token selective recomputation adds to one unit (module docstring);
+    gemm_time scales its GEMMs' (see rank_flops)."""
+    out = sum(2 * unit.parts.get(p, 0) for p in parts) * gemm_time
     if "experts" in parts:
-        out += 2 * unit.expert_params * imbalance
+        out += 2 * unit.expert_params * imbalance * gemm_time
     if "core_attn" in parts:
         out += _self_attention_flops(costs, workload, unit)
     return out
@@ -115,11 +117,13 @@ def _key(name: str) -> tuple:
     return (_stream(name), int(m.group(1)) if m else -1)
 
 
-def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0) -> float:
-    """Forward FLOPs per token of one unit (the module docstring's count)."""
+def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0,
+                gemm_time: float = 1.0) -> float:
+    """Forward FLOPs per token of one unit (the module docstring's count); gemm_time scales
+    its GEMMs' (see rank_flops)."""
     S = workload.stream_tokens.get(unit.stream, 0)
     enc = workload.stream_tokens.get("encoder", 0)
-    per_token = 2 * (unit.dense_params + unit.expert_params * imbalance)
+    per_token = 2 * (unit.dense_params + unit.expert_params * imbalance) * gemm_time
     return (per_token + _self_attention_flops(costs, workload, unit)
             + 2 * costs.score_width * (enc or S) * unit.cross_attention)
 
@@ -136,10 +140,14 @@ def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:
     return 3 * total
 
 
-def rank_flops(costs: ModelCosts, workload, plan, state, expert_slowdown: float = 1.0) -> float:
+def rank_flops(costs: ModelCosts, workload, plan, state, expert_slowdown: float = 1.0,
+               fp8_time: float = 1.0) -> float:
     """Training FLOPs this rank runs in one optimizer step; expert_slowdown > 1 counts the
     expert GEMMs' FLOPs that many times (step_time.expert_gemm_slowdown: FLOPs at the
-    preset's rate that take as long as the real ones at their shape)."""
+    preset's rate that take as long as the real ones at their shape); fp8_time < 1 counts
+    the blocks' GEMMs (not the head's, not attention's scores) that many times
+    (step_time.fp8_gemm_time: their time at the FP8 rate over the bf16 one). Both give
+    FLOPs at the preset's rate that take the real time, not FLOPs run."""
     passes = 4 if plan.recompute == "full" else 3
     seqs = workload.batch_size / plan.dp
     imbalance = (workload.imbalance if plan.ep > 1 else 1.0) * expert_slowdown
@@ -148,9 +156,10 @@ def rank_flops(costs: ModelCosts, workload, plan, state, expert_slowdown: float 
         if not _on_rank(stream, block, state, plan):
             continue
         tokens = seqs * workload.stream_tokens.get(stream, 0) / plan.cp  # a cp rank's queries; keys: all S
-        total += token_flops(costs, workload, u, imbalance) * tokens
+        gemm = fp8_time if block >= 0 else 1.0
+        total += token_flops(costs, workload, u, imbalance, gemm) * tokens
         if plan.recompute == "selective":
-            extra += recompute_flops(costs, workload, u, plan.recompute_parts, imbalance) * tokens
+            extra += recompute_flops(costs, workload, u, plan.recompute_parts, imbalance, gemm) * tokens
     return (passes * total + extra) / plan.tp
 
 

@@ -9,6 +9,9 @@ plus the host link:
   h100    H100 SXM5: 989 TFLOP/s, 80 GB HBM3, NVLink 4 900 GB/s total (450 per direction),
           one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100), PCIe 5 x16
   h200    H200 SXM: 989 TFLOP/s, 141 GB HBM3e, NVLink 4 as H100, 400 Gb/s per GPU, PCIe 5
+  h800    H800 SXM5 (the H100 with NVLink cut to 400 GB/s total, 200 per direction; DeepSeek-
+          V3's cluster, which measured about 160 GB/s over it): 989 TFLOP/s, 80 GB HBM3, one
+          400 Gb/s InfiniBand NIC per GPU, PCIe 5 x16
   b200    B200 (HGX B200): 2250 TFLOP/s, 180 GB HBM3e usable, NVLink 5 1.8 TB/s total (900
           per direction), 400 Gb/s per GPU (DGX B200), PCIe 5 x16
   mi300x  MI300X: 1307 TFLOP/s, 192 GB HBM3, Infinity Fabric 7 links of 64 GB/s per
@@ -51,9 +54,15 @@ How the planner's numbers come from them -- one rule for every preset, nothing p
                              thus run at a fraction of the bus bandwidth, as nccl-tests
                              curves show; at the tens of MB of the published runs' calls
                              the latency is a few percent
+  FP8 GEMMs                precision=fp8: the blocks' GEMMs (not the head, not attention's
+                             scores) at FP8_PEAKS x FP8_GEMM_EFFICIENCY (0.68: DeepGEMM's
+                             1350 TFLOP/s of Hopper's 1979) instead of the bf16 rate; the
+                             expert GEMMs' shape slowdown applies as in bf16; the A100 (and
+                             a custom machine without --fp8-flops) runs them at the bf16 rate
   host copies              = PCIe x16 per direction x 0.80 (offload)
   MFU                      = model FLOPs per GPU per second / the *peak* (not achievable)
-A custom machine: --flops (achievable), --peak-flops, --gpu-mem, --intra-bw, --inter-bw.
+A custom machine: --flops (achievable), --peak-flops, --fp8-flops (achievable), --gpu-mem,
+--intra-bw, --inter-bw.
 """
 import math
 from dataclasses import dataclass, replace
@@ -79,6 +88,7 @@ class Hardware:
     host_bw_gbs: float = 25.0       # host <-> device copy bandwidth per GPU (GB/s, PCIe 4 x16)
     peak_tflops: float = 0.0        # data-sheet dense bf16 peak (MFU's denominator); 0 = unknown
     hbm_tbs: float = 0.0            # HBM bandwidth (TB/s; the GEMM roofline); 0 = unknown
+    fp8_tflops: float = 0.0         # achievable dense FP8 TFLOP/s per GPU; 0 = no FP8 rate known
     name: str = "custom"
 
     @property
@@ -92,9 +102,18 @@ DATA_SHEETS = {
     "a100": (312.0, 80.0, 300.0, 200.0, 32.0, 2.039),
     "h100": (989.0, 80.0, 450.0, 400.0, 64.0, 3.35),
     "h200": (989.0, 141.0, 450.0, 400.0, 64.0, 4.8),
+    "h800": (989.0, 80.0, 200.0, 400.0, 64.0, 3.35),
     "b200": (2250.0, 180.0, 900.0, 400.0, 64.0, 8.0),
     "mi300x": (1307.0, 192.0, 448.0, 400.0, 64.0, 5.3),
 }
+
+
+# dense FP8 (e4m3) tensor-core peaks without sparsity (TFLOP/s; data sheets: H100/H200/H800
+# SXM 1979, B200 4500, MI300X 2615; the A100 has no FP8 tensor cores)
+FP8_PEAKS = {"h100": 1979.0, "h200": 1979.0, "h800": 1979.0, "b200": 4500.0, "mi300x": 2615.0}
+# FP8 GEMMs with fine-grained scaling reach 1350+ TFLOP/s on Hopper (DeepSeek's DeepGEMM at
+# its release, H800 = H100's 1979 FP8 peak): 0.68 of the peak, the share every preset uses
+FP8_GEMM_EFFICIENCY = 1350.0 / 1979.0
 
 
 def _log_flops(m, k, n) -> float:
@@ -167,7 +186,8 @@ def preset(name: str, gpus_per_node: int = 8) -> Hardware:
                     intra_bw_gbs=link * SCALE_UP_EFFICIENCY,
                     inter_bw_gbs=nic_gbit / 8 * SCALE_OUT_EFFICIENCY,
                     tflops=peak * GEMM_EFFICIENCY, host_bw_gbs=pcie * HOST_EFFICIENCY,
-                    peak_tflops=peak, hbm_tbs=hbm, name=name)
+                    peak_tflops=peak, hbm_tbs=hbm,
+                    fp8_tflops=FP8_PEAKS.get(name, 0.0) * FP8_GEMM_EFFICIENCY, name=name)
 
 
 def with_overrides(hw: Hardware, **given) -> Hardware:

@@ -206,6 +206,7 @@ class Activations:
     loss: int               # the last stage's loss temporaries (one micro-batch)
     total: int
     microbatches: int       # forward+backward passes per step on this rank
+    fp8_copies: int = 0     # precision=fp8: one GEMM's transient quantized copies (fp8_copy_bytes)
 
 
 def micro_seqs(w, plan) -> float:
@@ -250,7 +251,22 @@ def activations(w, plan, state, stage: int) -> Activations:
         loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
     total = int(per_chunk * flight + rebuild + loss)
     passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
-    return Activations(int(kept), flight, loss, total, passes)
+    return Activations(int(kept), flight, loss, total, passes, fp8_copy_bytes(w, plan))
+
+
+def fp8_copy_bytes(w, plan) -> int:
+    """precision=fp8: what the widest FP8 GEMM of the blocks holds while it runs (moe/fp8.py
+    quantizes again in backward, so nothing lives between the passes): its weight [D, F]
+    and its input [T, F] (T this rank's tokens of a micro-batch, at most) each as e4m3
+    values (1 byte) and their dequantized fp32 values (4), plus one fp32 scale per 128 x 128
+    block and per 1 x 128 tile. F: the widest of d_ff and the experts' d_ff / etp."""
+    if plan.precision != "fp8":
+        return 0
+    m = w.model_cfg
+    F = max(m.d_ff, w.expert_d_ff / plan.etp if w.has_moe() else 0, m.d_model)
+    T = micro_seqs(w, plan) * local_tokens(plan, w.stream_tokens["decoder"]) / plan.tp
+    weight, inputs = m.d_model * F, T * F
+    return int(5 * (weight + inputs) + 4 * (weight / 128 ** 2 + inputs / 128))
 
 
 def stashed_bytes(state, plan) -> int:
@@ -273,7 +289,7 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     base = ms["params"].get(DEVICE, 0) + ms["optimizer"].get(DEVICE, 0)
     full_grads = state.params.bytes
     held = sum(ms["grads"].values())  # produced on the device before any move to the host
-    forward = base + acts.total + hpz_held_bytes(state) + stashed_bytes(state, plan)
+    forward = base + acts.total + acts.fp8_copies + hpz_held_bytes(state) + stashed_bytes(state, plan)
     if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
         forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:

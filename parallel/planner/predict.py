@@ -12,7 +12,7 @@ from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
 from .step_time import (a2a_by_node, comm_seconds, expert_gemm_slowdown, exposed_a2a_seconds,
-                        hideable_seconds, paired_shares,
+                        fp8_gemm_time, hideable_seconds, paired_shares,
                         host_seconds, node_size, stage_seconds, wire_bytes)
 
 
@@ -126,13 +126,13 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
                                                    plan.stages_per_rank))
     d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
     paired = paired_shares(plan, micro_count(w, plan))
-    slowdown = expert_gemm_slowdown(w, plan, hw)
+    slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw)
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
         acts = activations(w, plan, state, stage)
         comm, events = step_comm(w, plan, state, node_size(plan, hw))
         flops = rank_flops(costs, w, plan, state)
-        timed = rank_flops(costs, w, plan, state, slowdown) if slowdown > 1 else flops
+        timed = rank_flops(costs, w, plan, state, slowdown, fp8) if slowdown > 1 or fp8 != 1 else flops
         comm_s = comm_seconds(events, plan, rank, hw)
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)

@@ -9,6 +9,7 @@ at least the group's bound
     bound = (C + A_in) / (1 - bubble) + A_out + G   (seconds; <= the predicted step_s, an upper bound)
     C = the sum of all ranks' training FLOPs without recomputation (flops.model_flops with the
         routing imbalance under ep) / world / achievable FLOP/s: the mean stage's compute
+        (under precision=fp8 all of it at the FP8 rate: step_time.fp8_gemm_time)
     A = the mean stage's traffic (structure_seconds: comm.py's expert all-to-all, expert-
         tensor, tensor- and context-parallel payloads of the whole model with recompute off,
         over pp) on the wire, at the intra-node bandwidth where the group can lie in one
@@ -51,6 +52,7 @@ from .enumerate import pipelines, rejection, structures, variants, with_default_
 from .flops import model_flops
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
+from .step_time import fp8_gemm_time
 
 SLACK = 1 - 1e-9  # bounds and predictions add the same terms in another order
 
@@ -336,7 +338,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
     (_stage_sizes); and the mean stage's with the whole model's gradient bytes over pp."""
     from .comm import micro_count
     from .flops import rank_flops
-    from .step_time import expert_gemm_slowdown
+    from .step_time import expert_gemm_slowdown, fp8_gemm_time
     bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
     s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp)
     if sync_factor is None:
@@ -346,9 +348,9 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
         return sum(t * f for t, f in zip(sync_seconds(s, held, hw, stages_over), sync_factor))
     held = [sizes] if plan.pp == 1 else _stage_sizes(_block_bytes(w), stages)
     xs, worst = [], 0.0
-    slowdown = expert_gemm_slowdown(w, plan, hw)
+    slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw)
     for st, own in zip(stages, held):
-        compute = rank_flops(costs, w, plan, st, slowdown) / (hw.tflops * 1e12)
+        compute = rank_flops(costs, w, plan, st, slowdown, fp8) / (hw.tflops * 1e12)
         stretched, rest = inside_seconds(w, plan, st, hw)
         xs.append((compute + stretched) / (1 - bubble) + rest)
         worst = max(worst, xs[-1] + sync(own, 1))
@@ -427,11 +429,12 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
            zeropp=(False, True), gpus_per_node: int = 8, cps=(1,), cp_modes=("ring", "ulysses")) -> dict:
     """report.plan_all's result for the layouts examined, plus "examined"/"pruned" counts."""
     flops_s = {}
+    fp8 = fp8_gemm_time(base, hw)   # < 1 under precision=fp8: every FLOP at the FP8 rate, a bound
 
     def compute(s):
         imb = w.imbalance if s["ep"] > 1 else 1.0
         if imb not in flops_s:
-            flops_s[imb] = model_flops(costs, w, imb) / (hw.tflops * 1e12)
+            flops_s[imb] = model_flops(costs, w, imb) * fp8 / (hw.tflops * 1e12)
         return flops_s[imb] / world
 
     heap, tick = [], itertools.count()

@@ -3,7 +3,8 @@
 
   t_compute  = rank FLOPs / (--flops, the achievable dense TFLOP/s of one GPU), the expert
                GEMMs' FLOPs stretched by expert_gemm_slowdown where their per-expert shape
-               runs below the preset's GEMM efficiency (hardware.gemm_efficiency)
+               runs below the preset's GEMM efficiency (hardware.gemm_efficiency), the
+               blocks' GEMMs under precision=fp8 shrunk by fp8_gemm_time (the FP8 rate)
   t_x        = the calls of collective x, each at hardware.call_seconds: its share of the
                wire bytes / bandwidth of its group, where a group within one node
                (--gpus-per-node consecutive ranks) uses --intra-bw and any other --inter-bw
@@ -170,6 +171,14 @@ def expert_rows(w, plan) -> float:
     tokens = micro_seqs(w, plan) * w.stream_tokens.get("decoder", 0) / (plan.cp * plan.tp)
     imbalance = w.imbalance if plan.ep > 1 else 1.0
     return tokens * moe.top_k * plan.ep * plan.etp / moe.num_experts * imbalance
+
+
+def fp8_gemm_time(plan, hw: Hardware) -> float:
+    """precision=fp8: the blocks' GEMMs' time at hw's FP8 rate over their time at its bf16
+    rate (hardware.py "FP8 GEMMs"); 1 otherwise or where no FP8 rate is known."""
+    if plan.precision != "fp8" or not hw.fp8_tflops:
+        return 1.0
+    return hw.tflops / hw.fp8_tflops
 
 
 def expert_gemm_slowdown(w, plan, hw: Hardware) -> float:

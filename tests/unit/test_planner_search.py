@@ -14,6 +14,7 @@ from parallel.planner import StateCache, preset
 from parallel.planner.flops import model_costs
 from parallel.planner.report import layout_name, plan_all
 from parallel.planner.flops import model_flops
+from parallel.planner.step_time import fp8_gemm_time
 from parallel.planner.enumerate import variants
 from parallel.planner.search import (_stage_blocks, memory_bound, search, state_bytes,
                                      structure_bound, variant_bound)
@@ -33,14 +34,16 @@ def gshard():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("world", [8])
-def test_search_top_list_equals_the_exhaustive_one(gshard, world):
+@pytest.mark.parametrize("world, precision", [(8, "fp32"), (8, "fp8")])
+def test_search_top_list_equals_the_exhaustive_one(gshard, world, precision):
+    """fp8: the blocks' GEMMs at the FP8 rate; the structure bound prices every FLOP at it."""
     cfg, w, costs = gshard
     hw = preset("h100")
-    full = plan_all(w, cfg.parallel, world, hw, costs, StateCache(w.build_model), cps=CPS[world], **KW)
+    base = dataclasses.replace(cfg.parallel, precision=precision)
+    full = plan_all(w, base, world, hw, costs, StateCache(w.build_model), cps=CPS[world], **KW)
     # the search shares reads between pipeline ranks of the same shape (StateCache with the
     # workload) and copies one rank's blocks per read; the exhaustive reference does neither
-    fast = search(w, cfg.parallel, world, hw, costs, StateCache(w.build_model, w), top=10, cps=CPS[world], **KW)
+    fast = search(w, base, world, hw, costs, StateCache(w.build_model, w), top=10, cps=CPS[world], **KW)
     want = [(layout_name(p.plan), p.step_s) for p in full["fits"][:10]]
     got = [(layout_name(p.plan), p.step_s) for p in fast["fits"][:10]]
     assert len(want) == 10 and got == want
@@ -53,8 +56,9 @@ def test_search_top_list_equals_the_exhaustive_one(gshard, world):
         assert memory_bound(w, p.plan, sizes) <= p.peak_bytes * (1 + 1e-9), layout_name(p.plan)
         s = {k: getattr(p.plan, k) for k in ("dp", "tp", "tp_mode", "tp_depth", "pp", "cp", "cp_mode", "ep", "etp")}
         compute_s = model_flops(costs, w, w.imbalance if s["ep"] > 1 else 1.0) / (hw.tflops * 1e12) / world
+        compute_s *= fp8_gemm_time(base, hw)
         zero_variants = variants(s, KW["zeros"], KW["offloads"], KW["zeropp"], 8)
-        assert structure_bound(w, cfg.parallel, s, hw, sizes, compute_s, zero_variants) <= \
+        assert structure_bound(w, base, s, hw, sizes, compute_s, zero_variants) <= \
             p.step_s * (1 + 1e-9), layout_name(p.plan)
 
 

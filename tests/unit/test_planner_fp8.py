@@ -1,0 +1,62 @@
+"""The planner under parallel.precision=fp8: the blocks' GEMMs at the preset's FP8 rate
+(hardware.FP8_PEAKS x FP8_GEMM_EFFICIENCY), everything else at the bf16 rate, and one FP8
+GEMM's transient copies in memory (memory.fp8_copy_bytes), against hand-computed values."""
+import dataclasses
+
+import pytest
+
+from parallel.planner.hardware import FP8_GEMM_EFFICIENCY, preset
+
+
+def _setup(over=(), world=1, **layout):
+    from parallel.planner import StateCache
+    from parallel.planner.flops import model_costs
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    cfg = load_config(None, list(over))
+    w = workload_from_config(cfg)
+    plan = w.validate(dataclasses.replace(cfg.parallel, **layout), world)
+    return w, plan, model_costs(w.build_model(), w), StateCache(w.build_model)
+
+
+def test_presets_fp8_rate_is_the_peak_times_deepgemms_share():
+    assert FP8_GEMM_EFFICIENCY == pytest.approx(1350 / 1979)
+    assert preset("h100").fp8_tflops == pytest.approx(1350.0)
+    assert preset("b200").fp8_tflops == pytest.approx(4500 * 1350 / 1979)
+    assert preset("a100").fp8_tflops == 0          # no FP8 tensor cores
+
+
+def test_only_the_blocks_gemms_run_at_the_fp8_rate():
+    """Default config, one process: timed FLOPs = 3 x tokens x (fp8_time x the blocks' GEMM
+    FLOPs + their attention scores + the head's GEMM), by hand from the cost units."""
+    from parallel.planner.flops import _self_attention_flops, rank_flops
+    from parallel.planner.step_time import fp8_gemm_time
+    w, plan, costs, cache = _setup(["parallel.precision=fp8"])
+    h100 = preset("h100")
+    r = fp8_gemm_time(plan, h100)
+    assert r == pytest.approx(989 * 0.70 / 1350)
+    tokens = w.batch_size * w.stream_tokens["decoder"]
+    want = 0.0
+    for (stream, block), u in costs.units.items():
+        gemm = 2 * (u.dense_params + u.expert_params)
+        want += (gemm * (r if block >= 0 else 1.0) + _self_attention_flops(costs, w, u)) * tokens
+    state = cache.get(plan, 0)
+    assert rank_flops(costs, w, plan, state, 1.0, r) == pytest.approx(3 * want, rel=1e-12)
+    bf16 = dataclasses.replace(plan, precision="bf16")
+    assert fp8_gemm_time(bf16, h100) == 1.0 and fp8_gemm_time(plan, preset("a100")) == 1.0
+
+
+def test_fp8_prediction_is_faster_and_holds_one_gemms_copies():
+    """The default model on one H100: FP8 shortens the step; its peak adds the widest GEMM's
+    e4m3 + fp32 copies of weight [128, 512] and input [16 x 128 tokens, 512] plus scales."""
+    from parallel.planner import predict
+    from parallel.planner.memory import fp8_copy_bytes
+    h100 = preset("h100")
+    w, fp8, costs, cache = _setup(["parallel.precision=fp8"])
+    _, bf16, _, _ = _setup(["parallel.precision=bf16"])
+    got, ref = predict(w, fp8, h100, costs, cache), predict(w, bf16, h100, costs, cache)
+    assert got.step_s < ref.step_s
+    weight, inputs = 128 * 512, 16 * 128 * 512
+    want = int(5 * (weight + inputs) + 4 * (weight / 128 ** 2 + inputs / 128))
+    assert fp8_copy_bytes(w, fp8) == want and fp8_copy_bytes(w, bf16) == 0
+    assert got.rank0().memory["forward"] - ref.rank0().memory["forward"] == want
