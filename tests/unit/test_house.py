@@ -129,7 +129,8 @@ def test_removed_apis_name_their_replacement():
 
 ENTRIES = [["train.py", "--help"], ["-m", "parallel.planner", "--help"],
            ["-m", "trainer.profile", "--help"], ["-m", "trainer.study", "--help"],
-           ["-m", "moe.profile", "--help"], ["-m", "data.prepare", "--help"]]
+           ["-m", "moe.profile", "--help"], ["-m", "data.prepare", "--help"],
+           ["-m", "commands.config_reference", "--help"]]
 
 
 def test_every_documented_command_starts():
