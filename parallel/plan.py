@@ -688,10 +688,9 @@ def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
     128 x 128 weight blocks must tile (m, moe_cfg: None = not known here)."""
     if p.precision != "fp8":
         return
-    for bad, what in ((p.tp > 1, f"parallel.tp={p.tp}: torchao's float8 Linears are not wired "
-                       f"into this toolkit's tensor-parallel DTensor split yet; set tp=1"),
-                      (p.etp > 1, f"parallel.etp={p.etp}: the 128 x 128 weight blocks of an "
-                       f"expert split over etp are not implemented; set etp=1"),
+    for bad, what in ((p.tp > 1, f"parallel.tp={p.tp}: torchao's float8 tensor parallelism "
+                       f"all-gathers FP8 tensors, which gloo cannot carry (measured: 'Invalid "
+                       f"scalar type'), so it is not proven against one process here; set tp=1"),
                       (p.param_dtype != "fp32", f"parallel.param_dtype={p.param_dtype}: the FP8 "
                        f"casts read fp32 masters; set param_dtype=fp32")):
         if bad:
@@ -705,6 +704,12 @@ def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
             raise _err(f"parallel.precision=fp8 needs {name} to be a multiple of 128 (got {v}: "
                        f"the expert GEMMs' 128 x 128 weight blocks); change {name} or use "
                        f"precision=bf16")
+    expert_ff = (getattr(moe_cfg, "d_ff", 0) or getattr(m, "d_ff", 0)) if moe_cfg is not None else 0
+    if p.etp > 1 and isinstance(expert_ff, int) and expert_ff % (128 * p.etp):
+        raise _err(f"parallel.precision=fp8 with parallel.etp={p.etp} needs the experts' d_ff "
+                   f"(moe.d_ff, or model.d_ff where it is 0) to be a multiple of 128 x etp = "
+                   f"{128 * p.etp} (got {expert_ff}: each rank's slice must hold whole 128 x 128 "
+                   f"blocks); change it or etp")
 
 
 def _check_tp_attention(p: ParallelPlan, m) -> None:

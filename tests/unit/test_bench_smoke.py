@@ -42,3 +42,15 @@ def test_pipeline_bubble_bench_runs():
     rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] == ["1f1b"]]
     assert len(rows) == 1 and float(rows[0][2]) == 0.33, out.stdout
     assert len(rows[0]) == 6 and all(0.0 <= float(v) <= 1.0 for v in rows[0][3:]), out.stdout
+
+
+def test_fp8_bench_quick_runs():
+    """bench/fp8.py --quick: bf16 and fp8 steps of the default config timed in one run, their
+    ratio printed, and on a CPU the line saying the ratio is the emulation's cost."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "fp8.py"), "--quick"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(ln.split() for ln in out.stdout.splitlines() if ln.startswith("default config"))
+    bf16, fp8, ratio = (float(v) for v in row[2:5])
+    assert bf16 > 0 and fp8 > 0 and abs(ratio - fp8 / bf16) < 0.01, out.stdout
+    assert "emulation's cost" in out.stdout or "tensor-core" in out.stdout, out.stdout

@@ -109,7 +109,9 @@ def test_whole_model_fp8_against_bf16_loss_and_gradients():
 
 @pytest.mark.parametrize("over, words", [
     (["parallel.precision=fp8", "parallel.tp=2"], "parallel.precision=fp8 with parallel.tp=2"),
-    (["parallel.precision=fp8", "parallel.ep=2", "parallel.etp=2"], "parallel.etp=2"),
+    (["parallel.precision=fp8", "parallel.ep=2", "parallel.etp=2", "model.d_ff=128"],
+     "multiple of 128 x etp = 256 (got 128"),
+    (["parallel.precision=fp8", "parallel.param_dtype=bf16", "parallel.zero=1"], "parallel.param_dtype=bf16"),
     (["parallel.precision=fp8", "model.d_model=96", "model.n_heads=2"], "model.d_model to be a multiple of 128 (got 96"),
     (["parallel.precision=fp8", "model.d_ff=200"], "model.d_ff to be a multiple of 128 (got 200"),
     (["parallel.fp8_recipe=rowwise"], "parallel.fp8_recipe=rowwise needs parallel.precision=fp8"),
