@@ -43,7 +43,7 @@ def test_validate_returns_copy_and_keeps_explicit_dp():
     (dict(dp=0), 4, r"parallel\.dp=0 must be -1"),
     (dict(zero=4), 4, r"parallel\.zero=4 must be 0, 1, 2 or 3"),
     (dict(pp_schedule="zb"), 4, r"parallel\.pp_schedule='zb' is not supported"),
-    (dict(precision="fp8"), 4, r"parallel\.precision='fp8'"),
+    (dict(precision="fp4"), 4, r"parallel\.precision='fp4'"),
     (dict(recompute="some"), 4, r"parallel\.recompute='some'"),
     (dict(compile="yes"), 4, r"parallel\.compile='yes' must be true or false"),
     (dict(ep=3), 4, r"parallel\.ep=3 must divide dp\*tp"),

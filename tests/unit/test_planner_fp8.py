@@ -60,3 +60,36 @@ def test_fp8_prediction_is_faster_and_holds_one_gemms_copies():
     want = int(5 * (weight + inputs) + 4 * (weight / 128 ** 2 + inputs / 128))
     assert fp8_copy_bytes(w, fp8) == want and fp8_copy_bytes(w, bf16) == 0
     assert got.rank0().memory["forward"] - ref.rank0().memory["forward"] == want
+
+
+def test_the_searchs_bounds_stay_below_fp8_predictions():
+    """The search prunes by lower bounds; under precision=fp8 they price the GEMMs at the FP8
+    rate too (the structure bound every FLOP), so on gshard's world-8 layouts each bound is at
+    most the prediction it bounds (a bound above one could drop a layout from the top list)."""
+    from parallel.planner import predict
+    from parallel.planner.enumerate import variants
+    from parallel.planner.flops import model_flops
+    from parallel.planner.search import _stage_blocks, state_bytes, structure_bound, variant_bound
+    from parallel.planner.step_time import fp8_gemm_time
+    from parallel.planner import StateCache
+    from parallel.planner.flops import model_costs
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    cfg = load_config("configs/gshard_gpt.toml", ["parallel.precision=fp8"])
+    w = workload_from_config(cfg)
+    costs, cache, hw = model_costs(w.build_model(), w), StateCache(w.build_model), preset("h100")
+    sizes = state_bytes(w.build_model())
+    checked = 0
+    for layout in (dict(dp=8, ep=1), dict(dp=8, ep=4, zero=1), dict(pp=2, dp=4, ep=4, microbatches=4),
+                   dict(dp=8, ep=4, etp=2, zero=2), dict(pp=4, dp=2, ep=2, microbatches=4)):
+        plan = w.validate(dataclasses.replace(cfg.parallel, **layout), 8)
+        pred = predict(w, plan, hw, costs, cache)
+        assert variant_bound(w, plan, costs, hw, sizes, _stage_blocks(w, plan)) <= pred.step_s * (1 + 1e-9)
+        s = {k: getattr(plan, k) for k in ("dp", "tp", "tp_mode", "tp_depth", "pp", "cp", "cp_mode", "ep", "etp")}
+        compute_s = model_flops(costs, w, w.imbalance if s["ep"] > 1 else 1.0) * \
+            fp8_gemm_time(plan, hw) / (hw.tflops * 1e12) / 8
+        bound = structure_bound(w, cfg.parallel, s, hw, sizes, compute_s,
+                                variants(s, (plan.zero,), ("none",), (False,), 8))
+        assert bound <= pred.step_s * (1 + 1e-9)
+        checked += 1
+    assert checked == 5
