@@ -11,8 +11,13 @@ a store per rendezvous round: trainer/membership.py), layout dp=-1 x ep=2 x ZeRO
 - After 10 steps at world 4 both agents get SIGTERM (the run is stopped by events, not by a
   step count a loaded machine could reach before the node returns); every step up to the
   last is logged once. The losses equal an uninterrupted 2-process run of the same config
-  within 1e-5 relative: the layouts (dp4 x ep2 and dp2 x ep2 over the same global
-  batch) differ in reduction order only. Measured worst over 600 steps of such a run: 2.3e-7.
+  within 1e-5 relative for the first DRIFT_FREE steps after the shrink: the layouts (dp4 x ep2
+  and dp2 x ep2 over the same global batch) differ in reduction order only. Measured worst
+  over 600 steps of such a run: 2.3e-7; but how many steps run at world 2 depends on how fast
+  the loaded machine reaches the rejoin, and once Adam turns a rounding difference into a
+  flipped step (tests/tolerance.py rule 5) fp32 runs drift apart: a CI run spent 233 steps at
+  world 2 and drifted to 1.8e-3 from step 206 on (1e-5 held to step 205). Every step is
+  therefore held to DRIFT, the steps up to DRIFT_FREE after the shrink to 1e-5.
 - The run started again on one process, where ep=2 cannot form, is refused in one line that
   names the world change and the fix.
 """
@@ -31,6 +36,7 @@ from tests.e2e.test_train import ROOT, TINY, close, losses, records
 
 pytestmark = pytest.mark.e2e
 STEPS = 2000  # the schedule's length; the test stops the run by signal
+DRIFT_FREE, DRIFT = 100, 1e-2   # see the module docstring (drift measured 1.8e-3 at 230 steps)
 COMMON = TINY + ["train.eval_every=0", "log.moe_stats_every=0", "checkpoint.every=10",
                  f"train.steps={STEPS}", "parallel.dp=-1", "parallel.ep=2", "parallel.zero=1"]
 
@@ -165,8 +171,11 @@ def test_a_node_lost_and_regained(tmp_path, tmp_path_factory):
     assert "preempted: stopped by SIGTERM" in out
     assert [r["step"] for r in records(run)] == list(range(1, last + 1))  # each step once
     got, want = losses(run), losses(ref)
+    early = [s for s in got if s <= resumed_small + DRIFT_FREE]
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in early)
+    assert all(close(got[s], want[s], 1e-5) for s in early), worst
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
-    assert all(close(got[s], want[s], 1e-5) for s in got), worst
+    assert all(close(got[s], want[s], DRIFT) for s in got), worst
 
     # one process cannot hold ep=2: refused in one line naming the world change and the fix
     before = (run / "nodes.json").read_text()
