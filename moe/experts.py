@@ -244,9 +244,12 @@ class ExpertBank(nn.Module):
             return grouped_ffn(x_ND, counts, self.act, *params)
         return grouped_mm_ffn(x_ND, counts, self.act, *params)
 
-    def _forward_ops(self, x_ND: torch.Tensor, counts: list, params: tuple = None) -> torch.Tensor:
+    def _forward_ops(self, x_ND: torch.Tensor, counts: list, params: tuple = None,
+                     linear=None) -> torch.Tensor:
         """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),
-        mixed dtypes. Slower: autograd stacks per-expert weight grads and cats."""
+        mixed dtypes; linear(x, w, b) runs each GEMM (default _linear; _fp8_linear under
+        precision=fp8). Slower: autograd stacks per-expert weight grads and cats."""
+        linear = linear or _linear
         params = self.weights() if params is None else params
         if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
             return x_ND @ params[0][0, :, :0] @ params[1][0, :0, :]
@@ -255,38 +258,28 @@ class ExpertBank(nn.Module):
         for e, x_nD in enumerate(torch.split(x_ND, counts)):
             if counts[e] == 0:
                 continue
-            h_nF = x_nD @ w1[e] if b1 is None else torch.addmm(b1[e], x_nD, w1[e])
-            h3_nF = None
-            if self.gated:
-                h3_nF = x_nD @ w3[e] if b3 is None else torch.addmm(b3[e], x_nD, w3[e])
-            args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e])
+            h_nF = linear(x_nD, w1[e], None if b1 is None else b1[e])
+            h3_nF = linear(x_nD, w3[e], None if b3 is None else b3[e]) if self.gated else None
+            args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e], linear)
             # moe_act on this path: the activation and w2 computed again in backward
             outs.append(checkpoint(_act_out, *args, use_reentrant=False) if self.act.recompute
                         else _act_out(*args))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-
     def _forward_fp8(self, x_ND: torch.Tensor, counts, params: tuple) -> torch.Tensor:
         """Each expert's GEMMs in fine-grained FP8 (fp8_matmul), their inputs, the biases and
         the activation in the compute dtype (autocast's, bf16 under precision=fp8)."""
         dev = x_ND.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_ND.dtype
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
-        x_ND = x_ND.to(dt)
-        if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
-            return x_ND @ params[0][0, :, :0].to(dt) @ params[1][0, :0, :].to(dt)
-        w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in params)
-        outs = []
+        if x_ND.shape[0] == 0:  # the empty result, still tied to the weights
+            return self._forward_ops(x_ND, counts, params)
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_ND.dtype
         with torch.autocast(dev, enabled=False):
-            for e, x_nD in enumerate(torch.split(x_ND, counts)):
-                if counts[e] == 0:
-                    continue
-                h_nF = _fp8_linear(x_nD, w1[e], None if b1 is None else b1[e])
-                h3_nF = _fp8_linear(x_nD, w3[e], None if b3 is None else b3[e]) if self.gated else None
-                args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e])
-                outs.append(checkpoint(_act_out_fp8, *args, use_reentrant=False)
-                            if self.act.recompute else _act_out_fp8(*args))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+            return self._forward_ops(x_ND.to(dt), counts, params, _fp8_linear)
+
+
+def _linear(x_nK, w_KN, b_N):
+    return x_nK @ w_KN if b_N is None else torch.addmm(b_N, x_nK, w_KN)
 
 
 def _fp8_linear(x_nK, w_KN, b_N):
@@ -294,13 +287,8 @@ def _fp8_linear(x_nK, w_KN, b_N):
     return y if b_N is None else y + b_N.to(y.dtype)
 
 
-def _act_out_fp8(act, h_nF, h3_nF, w2_FD, b2_D):
-    return _fp8_linear(act(h_nF, h3_nF), w2_FD, b2_D)
-
-
-def _act_out(act, h_nF, h3_nF, w2_FD, b2_D):
-    a_nF = act(h_nF, h3_nF)
-    return a_nF @ w2_FD if b2_D is None else torch.addmm(b2_D, a_nF, w2_FD)
+def _act_out(act, h_nF, h3_nF, w2_FD, b2_D, linear=_linear):
+    return linear(act(h_nF, h3_nF), w2_FD, b2_D)
 
 
 def _plain(x_ND, params, same_dtype: bool = True) -> bool:

@@ -28,7 +28,7 @@ from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
 
-FP8_RECIPES = ("tensorwise", "rowwise")
+from .plan import FP8_RECIPES
 LINEAR_MULTIPLE = 16   # torchao's FP8 matmul needs both dims of a Linear divisible by 16
 
 

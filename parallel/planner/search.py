@@ -52,7 +52,7 @@ from .enumerate import pipelines, rejection, structures, variants, with_default_
 from .flops import model_flops
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
-from .step_time import fp8_gemm_time
+from .step_time import expert_gemm_slowdown, fp8_gemm_time
 
 SLACK = 1 - 1e-9  # bounds and predictions add the same terms in another order
 
@@ -338,7 +338,6 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
     (_stage_sizes); and the mean stage's with the whole model's gradient bytes over pp."""
     from .comm import micro_count
     from .flops import rank_flops
-    from .step_time import expert_gemm_slowdown, fp8_gemm_time
     bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
     s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp)
     if sync_factor is None:
