@@ -52,6 +52,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if plan.pp > 1:
         from .pipeline.split import split_pipeline
         par.pipeline = split_pipeline(model, plan, meshes, loss_fn, par.baton)
+    if plan.precision == "fp8":
+        from .fp8 import apply_fp8
+        apply_fp8(model, plan.fp8_recipe, plan.tp)  # before tp splits the Linears
     if plan.tp > 1 and plan.tp_mode == "1d":
         from .tensor.one_d import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)
@@ -77,9 +80,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     if plan.precision != "fp32":
         from .precision import apply_precision
         apply_precision(model, plan.precision)
-    if plan.precision == "fp8":
-        from .fp8 import apply_fp8
-        apply_fp8(model, plan.fp8_recipe)
     if plan.recompute != "none":
         from .recompute import apply_recompute
         apply_recompute(blocks(model), plan.recompute, plan.recompute_parts)

@@ -66,10 +66,14 @@ def _torchao_float8(device: torch.device) -> tuple:
     return Float8Linear, Float8LinearConfig, swap_linear_layers
 
 
-def apply_fp8(model: nn.Module, recipe: str) -> None:
+def apply_fp8(model: nn.Module, recipe: str, tp: int = 1) -> None:
     """Every ExpertBank to fine-grained FP8, every other nn.Linear of the model but the head
-    and the routers to torchao's float8 training (module docstring). Raises ValueError
-    naming the field where a dimension does not tile."""
+    and the routers to torchao's float8 training (module docstring). Runs before tensor
+    parallelism (tp: its degree, so each rank's slice of a Linear still tiles by 16), which
+    then splits the Float8Linears with the ordinary column/row styles: activations move in
+    bf16, and each FP8 scale is computed on the DTensor, so an amax over a split dim is
+    reduced across the tp group -- every rank quantizes with one process's scales. Raises
+    ValueError naming the field where a dimension does not tile."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"parallel.fp8_recipe={recipe!r}; use one of {', '.join(FP8_RECIPES)}")
     for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
@@ -78,10 +82,11 @@ def apply_fp8(model: nn.Module, recipe: str) -> None:
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and id(m) not in kept]
     for name, m in linears:
-        if m.in_features % LINEAR_MULTIPLE or m.out_features % LINEAR_MULTIPLE:
+        if m.in_features % (LINEAR_MULTIPLE * tp) or m.out_features % (LINEAR_MULTIPLE * tp):
             raise ValueError(f"parallel.precision=fp8: {name} is [{m.out_features}, "
-                             f"{m.in_features}], not a multiple of {LINEAR_MULTIPLE} (torchao's "
-                             f"FP8 matmul); change model.d_model / model.n_heads or use bf16")
+                             f"{m.in_features}], not a multiple of {LINEAR_MULTIPLE * tp} "
+                             f"({LINEAR_MULTIPLE}, torchao's FP8 matmul, x parallel.tp={tp}); "
+                             f"change model.d_model / model.n_heads or use bf16")
     if not linears:
         return
     device = next(model.parameters()).device

@@ -688,9 +688,9 @@ def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
     128 x 128 weight blocks must tile (m, moe_cfg: None = not known here)."""
     if p.precision != "fp8":
         return
-    for bad, what in ((p.tp > 1, f"parallel.tp={p.tp}: torchao's float8 tensor parallelism "
-                       f"all-gathers FP8 tensors, which gloo cannot carry (measured: 'Invalid "
-                       f"scalar type'), so it is not proven against one process here; set tp=1"),
+    for bad, what in ((p.tp > 1 and p.tp_mode != "1d", f"parallel.tp_mode={p.tp_mode}: the "
+                       f"grid's SUMMA forwards run their own matmuls, not the FP8 ones; use "
+                       f"tp_mode=1d"),
                       (p.param_dtype != "fp32", f"parallel.param_dtype={p.param_dtype}: the FP8 "
                        f"casts read fp32 masters; set param_dtype=fp32")):
         if bad:
@@ -704,6 +704,14 @@ def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
             raise _err(f"parallel.precision=fp8 needs {name} to be a multiple of 128 (got {v}: "
                        f"the expert GEMMs' 128 x 128 weight blocks); change {name} or use "
                        f"precision=bf16")
+    dense = moe_cfg is None or not _has_moe(moe_cfg) or moe_cfg.every != 1 or \
+        getattr(moe_cfg, "first_moe_layer", 0) > 0
+    d_ff = getattr(m, "d_ff", None)
+    if p.tp > 1 and dense and isinstance(d_ff, int) and d_ff % (128 * p.tp):
+        raise _err(f"parallel.precision=fp8 with parallel.tp={p.tp} needs model.d_ff to be a "
+                   f"multiple of 128 x tp = {128 * p.tp} (got {d_ff}: the dense FFN's d_ff is "
+                   f"split tp ways and each slice must hold whole 128 x 128 blocks); change it "
+                   f"or tp")
     expert_ff = (getattr(moe_cfg, "d_ff", 0) or getattr(m, "d_ff", 0)) if moe_cfg is not None else 0
     if p.etp > 1 and isinstance(expert_ff, int) and expert_ff % (128 * p.etp):
         raise _err(f"parallel.precision=fp8 with parallel.etp={p.etp} needs the experts' d_ff "

@@ -193,11 +193,11 @@ def _latent_attention_hooks(attn, group) -> None:
         x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
         return (tp_comm.gather_replicated(x, group, 1),) + tuple(args[1:])
     attn.register_forward_pre_hook(gather_input)
-    wkv_a, rope = attn.wkv_a, attn.rope_dim
+    project, rope = attn.wkv_a.forward, attn.rope_dim   # the module's own GEMM (FP8 under fp8)
 
     def latent_and_rotary_key(x):
-        return tp_comm.sum_grad_tail(F.linear(x, wkv_a.weight), group, rope)
-    wkv_a.forward = latent_and_rotary_key
+        return tp_comm.sum_grad_tail(project(x), group, rope)
+    attn.wkv_a.forward = latent_and_rotary_key
 
 
 __all__ = ["apply_tensor_parallel", "Partial"]

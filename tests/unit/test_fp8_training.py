@@ -108,7 +108,10 @@ def test_whole_model_fp8_against_bf16_loss_and_gradients():
 
 
 @pytest.mark.parametrize("over, words", [
-    (["parallel.precision=fp8", "parallel.tp=2"], "parallel.precision=fp8 with parallel.tp=2"),
+    (["parallel.precision=fp8", "parallel.tp=4", "parallel.tp_mode=2d"],
+     "parallel.precision=fp8 with parallel.tp_mode=2d"),
+    (["parallel.precision=fp8", "parallel.tp=2", "model.d_ff=128"],
+     "model.d_ff to be a multiple of 128 x tp = 256 (got 128"),
     (["parallel.precision=fp8", "parallel.ep=2", "parallel.etp=2", "model.d_ff=128"],
      "multiple of 128 x etp = 256 (got 128"),
     (["parallel.precision=fp8", "parallel.param_dtype=bf16", "parallel.zero=1"], "parallel.param_dtype=bf16"),
@@ -120,7 +123,7 @@ def test_whole_model_fp8_against_bf16_loss_and_gradients():
 def test_fp8_refusals_name_the_field(over, words):
     from trainer.config import load_config
     from trainer.planning import workload_from_config
-    world = 4 if any("tp=2" in o or "etp=2" in o for o in over) else 1
+    world = 4 if any("tp=" in o for o in over) else 1
     with pytest.raises(ValueError, match=pytest.importorskip("re").escape(words)):
         cfg = load_config(None, over)
         w = workload_from_config(cfg)
