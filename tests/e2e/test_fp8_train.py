@@ -52,11 +52,14 @@ def one(tmp_path_factory):
     ["parallel.dp=2", "parallel.zero=3"],
     ["parallel.cp=2"],
     ["parallel.dp=2", "parallel.etp=2"],
-    ["parallel.tp=2"]], ids=["dp2_ep2_zero1", "pp2", "dp2_zero3", "cp2", "dp2_etp2", "tp2"])
+    ["parallel.tp=2"],
+    ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]],
+    ids=["dp2_ep2_zero1", "pp2", "dp2_zero3", "cp2", "dp2_etp2", "tp2", "dp2_tp2_zero3"])
 def test_fp8_layout_trains_like_one_process(one, layout):
     tmp, args, ref = one
     run = tmp / "_".join(a.split(".")[1].replace("=", "") for a in layout)
-    train(args + layout + [f"run.dir={run}", "checkpoint.at_end=false"], tmp, nproc=2)
+    nproc = 4 if {"parallel.dp=2", "parallel.tp=2"} <= set(layout) else 2
+    train(args + layout + [f"run.dir={run}", "checkpoint.at_end=false"], tmp, nproc=nproc)
     got = losses(run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in ref:
