@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
-from .fp8 import check_block_dims, fp8_matmul
+from .fp8 import check_block_dims, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
@@ -267,14 +267,19 @@ class ExpertBank(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _forward_fp8(self, x_ND: torch.Tensor, counts, params: tuple) -> torch.Tensor:
-        """Each expert's GEMMs in fine-grained FP8 (fp8_matmul), their inputs, the biases and
-        the activation in the compute dtype (autocast's, bf16 under precision=fp8)."""
+        """Each expert's GEMMs in fine-grained FP8, their inputs, the biases and the activation
+        in the compute dtype (autocast's, bf16 under precision=fp8): torchao's grouped FP8
+        kernel where it runs for real (moe/fp8.py grouped_fp8_kernel: CUDA SM90+ with DeepGEMM,
+        bf16, plain tensors), else the emulation (fp8_matmul) per expert."""
         dev = x_ND.device.type
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         if x_ND.shape[0] == 0:  # the empty result, still tied to the weights
             return self._forward_ops(x_ND, counts, params)
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_ND.dtype
+        kernel = grouped_fp8_kernel(x_ND.device) if dt == torch.bfloat16 else None
         with torch.autocast(dev, enabled=False):
+            if kernel is not None and _plain(x_ND, params, same_dtype=False):
+                return grouped_fp8_ffn(kernel, x_ND.to(dt), counts, self.act, *params)
             return self._forward_ops(x_ND.to(dt), counts, params, _fp8_linear)
 
 

@@ -17,13 +17,22 @@ along T (the reduced dim there). parallel.precision=fp8 runs every expert bank (
 experts, shared experts, dense FFNs) through it (ExpertBank.set_fp8).
 Weights whose K or N is not a multiple of 128 are refused: their blocks would straddle rows
 no kernel tiles that way.
+
+On a GPU with real kernels for these tiles -- torchao's grouped blockwise FP8 GEMM
+(torchao.prototype.moe_training.blockwise_fp8) on its DeepGEMM backend, which needs CUDA
+SM90+ and the optional `deep_gemm` package; without it torchao itself only emulates --
+`grouped_fp8_kernel` returns that GEMM and the banks run through `grouped_fp8_ffn`: the same
+tiles (each expert's token group padded to 128 rows, so the 128 x 1 wgrad tiles start at the
+group's first token as here), one launch per projection and direction, no per-expert loop.
+Everywhere else the emulation above runs; tests/gpu/test_fp8_cuda.py holds the kernel to it.
 """
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .wire import E4M3, E4M3_MAX, TILE, dequantize_tiles, quantize_tiles
 
 __all__ = ["TILE", "quantize_blocks", "dequantize_blocks", "qdq_rows", "qdq_cols", "qdq_blocks",
-           "fp8_matmul", "check_block_dims"]
+           "fp8_matmul", "check_block_dims", "grouped_fp8_kernel", "grouped_fp8_ffn"]
 
 
 def check_block_dims(K: int, N: int, where: str = "expert weight") -> None:
@@ -97,3 +106,43 @@ def fp8_matmul(x_TK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     """x_TK @ w_KN with both operands in fine-grained FP8 (module docstring), accumulated in
     fp32, returned in x's dtype; gradients straight through the rounding."""
     return _FP8Matmul.apply(x_TK, w_KN)
+
+
+def grouped_fp8_kernel(device: torch.device):
+    """torchao's grouped blockwise FP8 GEMM (A [T, K] row-major, B_t [E, K, N] column-major
+    per expert, int32 end offsets) where it runs real FP8 kernels on `device`, else None."""
+    if device.type != "cuda":
+        return None
+    try:   # torchao's kernels import triton (CUDA builds of torch only) and, for DeepGEMM, deep_gemm
+        from torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels import \
+            can_use_deepgemm_grouped_training
+        from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import \
+            _to_fp8_blockwise_then_scaled_grouped_mm
+    except ImportError:
+        return None
+    probe = torch.empty(0, TILE, device=device, dtype=torch.bfloat16)
+    if not can_use_deepgemm_grouped_training(probe, torch.bfloat16, TILE):
+        return None
+    return _to_fp8_blockwise_then_scaled_grouped_mm
+
+
+def grouped_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None):
+    """Expert e's FFN on its rows of x_ND (sorted by expert, counts rows each) with every GEMM
+    through `kernel` (grouped_fp8_kernel's), out in x's dtype (bf16); autograd runs the
+    kernel's own FP8 backward. Weights [E, K, N] as the bank holds them (fp32 masters: the
+    kernel quantizes from them, as fp8_matmul does)."""
+    counts_E = torch.as_tensor(counts, device=x_ND.device)
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+
+    def gemm(a_NK, w_EKN, b_EN):
+        y = kernel(a_NK.contiguous(), w_EKN.mT.contiguous().mT, offs_E, out_dtype=x_ND.dtype)
+        return y if b_EN is None else y + b_EN.to(y.dtype).repeat_interleave(counts_E, 0)
+
+    def act_out(h1, h3):
+        return gemm(act(h1, h3), w2, b2)
+
+    h1 = gemm(x_ND, w1, b1)
+    h3 = gemm(x_ND, w3, b3) if w3 is not None else None
+    if act.recompute:   # moe_act: the activation and w2's GEMM run again in backward
+        return checkpoint(act_out, h1, h3, use_reentrant=False)
+    return act_out(h1, h3)

@@ -3,9 +3,9 @@
   expert banks   the routed experts, shared experts and dense FFNs (all ExpertBank, one
                  expert each for the dense ones) run DeepSeek-V3's fine-grained recipe
                  (moe/fp8.py: activations per 1 x 128 tile, weights per 128 x 128 block,
-                 fp32 accumulation, backward in FP8 too); on a CPU and on a GPU alike this
-                 is the emulation (dequantize, fp32 GEMM), bit-for-bit the kernel's
-                 quantization -- the GEMM kernels themselves are a GPU-only speed-up
+                 fp32 accumulation, backward in FP8 too): torchao's grouped blockwise FP8
+                 GEMM where it runs for real (CUDA SM90+ with deep_gemm), else the
+                 emulation (dequantize, fp32 GEMM), bit-for-bit the kernel's quantization
   nn.Linear      the attention projections (and any other Linear of the blocks) through
                  torchao's float8 training (its Float8Linear, as convert_to_float8_training
                  swaps them in; the toolkit's N(0, init_std) init kept) with the recipe
