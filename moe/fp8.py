@@ -136,7 +136,8 @@ def grouped_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None
 
     def gemm(a_NK, w_EKN, b_EN):
         y = kernel(a_NK.contiguous(), w_EKN.mT.contiguous().mT, offs_E, out_dtype=x_ND.dtype)
-        return y if b_EN is None else y + b_EN.to(y.dtype).repeat_interleave(counts_E, 0)
+        return y if b_EN is None else \
+            y + b_EN.to(y.dtype).repeat_interleave(counts_E, 0, output_size=y.shape[0])
 
     def act_out(h1, h3):
         return gemm(act(h1, h3), w2, b2)

@@ -54,13 +54,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         par.pipeline = split_pipeline(model, plan, meshes, loss_fn, par.baton)
     if plan.precision == "fp8":
         from .fp8 import apply_fp8
-        apply_fp8(model, plan.fp8_recipe, plan.tp)  # before tp splits the Linears
+        apply_fp8(model, plan.fp8_recipe, meshes)  # before tp splits the Linears
     if plan.tp > 1 and plan.tp_mode == "1d":
         from .tensor.one_d import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)
     elif plan.tp > 1:
         from .tensor.grid import apply_grid_tensor_parallel
         apply_grid_tensor_parallel(model, meshes)
+    if plan.precision == "fp8" and plan.tp > 1:
+        from .fp8 import check_split_linears
+        check_split_linears(model)
     if plan.ep > 1:
         from .expert import apply_expert_parallel
         apply_expert_parallel(model, meshes.group("ep"), stage_only=plan.pp > 1,

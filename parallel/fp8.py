@@ -23,11 +23,13 @@ import functools
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
 
+from .mesh import default_device_type
 from .plan import FP8_RECIPES
 LINEAR_MULTIPLE = 16   # torchao's FP8 matmul needs both dims of a Linear divisible by 16
 
@@ -66,14 +68,25 @@ def _torchao_float8(device: torch.device) -> tuple:
     return Float8Linear, Float8LinearConfig, swap_linear_layers
 
 
-def apply_fp8(model: nn.Module, recipe: str, tp: int = 1) -> None:
+def target_device(model: nn.Module, meshes=None) -> torch.device:
+    """Where the model will run: its parameters' device, or -- built on meta and materialised
+    later by parallelize's init_fn, as train.py does -- the meshes' device type, else this
+    process's default (cuda when it has a GPU)."""
+    device = next(model.parameters()).device
+    if device.type != "meta":
+        return device
+    return torch.device(meshes.dense.device_type if meshes is not None else default_device_type())
+
+
+def apply_fp8(model: nn.Module, recipe: str, meshes=None) -> None:
     """Every ExpertBank to fine-grained FP8, every other nn.Linear of the model but the head
-    and the routers to torchao's float8 training (module docstring). Runs before tensor
-    parallelism (tp: its degree, so each rank's slice of a Linear still tiles by 16), which
-    then splits the Float8Linears with the ordinary column/row styles: activations move in
-    bf16, and each FP8 scale is computed on the DTensor, so an amax over a split dim is
-    reduced across the tp group -- every rank quantizes with one process's scales. Raises
-    ValueError naming the field where a dimension does not tile."""
+    and the routers to torchao's float8 training (module docstring); torchao emulates unless
+    the device the model will run on (target_device) has FP8 matmuls. Runs before tensor
+    parallelism, which then splits the Float8Linears with the ordinary column/row styles:
+    activations move in bf16, and each FP8 scale is computed on the DTensor, so an amax over
+    a split dim is reduced across the tp group -- every rank quantizes with one process's
+    scales (check_split_linears checks the slices afterwards). Raises ValueError naming the
+    field where a dimension does not tile."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"parallel.fp8_recipe={recipe!r}; use one of {', '.join(FP8_RECIPES)}")
     for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
@@ -82,14 +95,10 @@ def apply_fp8(model: nn.Module, recipe: str, tp: int = 1) -> None:
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and id(m) not in kept]
     for name, m in linears:
-        if m.in_features % (LINEAR_MULTIPLE * tp) or m.out_features % (LINEAR_MULTIPLE * tp):
-            raise ValueError(f"parallel.precision=fp8: {name} is [{m.out_features}, "
-                             f"{m.in_features}], not a multiple of {LINEAR_MULTIPLE * tp} "
-                             f"({LINEAR_MULTIPLE}, torchao's FP8 matmul, x parallel.tp={tp}); "
-                             f"change model.d_model / model.n_heads or use bf16")
+        _check_linear_shape(name, m.weight.shape)
     if not linears:
         return
-    device = next(model.parameters()).device
+    device = target_device(model, meshes)
     Float8Linear, Float8LinearConfig, swap_linear_layers = _torchao_float8(device)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
                                  emulate=not fp8_matmul_available(device))
@@ -103,3 +112,21 @@ def apply_fp8(model: nn.Module, recipe: str, tp: int = 1) -> None:
 
     chosen = {id(m) for _, m in linears}
     swap_linear_layers(model, to_float8, module_filter_fn=lambda mod, fqn: id(mod) in chosen)
+
+
+def _check_linear_shape(name: str, shape, tp_note: str = "") -> None:
+    out_f, in_f = shape
+    if in_f % LINEAR_MULTIPLE or out_f % LINEAR_MULTIPLE:
+        raise ValueError(f"parallel.precision=fp8: {name} is [{out_f}, {in_f}]{tp_note}, not a "
+                         f"multiple of {LINEAR_MULTIPLE} (torchao's FP8 matmul); change "
+                         f"model.d_model / model.n_heads / model.n_kv_heads{' / parallel.tp' if tp_note else ''} "
+                         f"or use bf16")
+
+
+def check_split_linears(model: nn.Module) -> None:
+    """After tensor parallelism: each rank's slice of every split Float8Linear still tiles by
+    16 (only the dims tp split can have shrunk; replicated Linears were checked whole)."""
+    from torchao.float8.float8_linear import Float8Linear   # imported by apply_fp8 already
+    for name, m in model.named_modules():
+        if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor):
+            _check_linear_shape(name, m.weight.to_local().shape, " on each tensor-parallel rank")

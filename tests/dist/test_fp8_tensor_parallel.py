@@ -139,7 +139,7 @@ def _model(recipe: str, attention: str = "mha"):
     model_cfg = ModelConfig(**MODEL, **(MLA if attention == "mla" else {}))
     moe_cfg = MoEConfig(num_experts=4, top_k=2, every=2)   # block 0 dense FFN, block 1 MoE
     model = dc.make_model(model_cfg, moe_cfg)
-    apply_fp8(model, recipe, tp=2)
+    apply_fp8(model, recipe)
     return model, model_cfg, moe_cfg
 
 
@@ -180,3 +180,37 @@ def test_fp8_gpt_under_tp2_equals_one_process(recipe, attention):
         assert set(grads) == set(ref_grads)
         for name, g in grads.items():
             assert _rel(g, ref_grads[name]) <= GRAD_REL, (name, _rel(g, ref_grads[name]))
+
+
+def _through_parallelize_worker(rank, world, model_kw):
+    """parallelize with precision=fp8 and tp=2, as train.py calls it: the FP8 swap happens
+    inside, before tp (the tests above apply it by hand to stay in fp32)."""
+    from models.config import ModelConfig, MoEConfig
+    from moe.experts import ExpertBank
+    from parallel.apply import parallelize
+    from parallel.mesh import build_meshes
+    from parallel.plan import ParallelPlan
+    from torch.distributed.tensor import DTensor
+    from tests.dist import dense_common as dc
+    model_cfg = ModelConfig(**{**MODEL, **model_kw})
+    moe_cfg = MoEConfig(num_experts=4, top_k=2, every=2)
+    plan = ParallelPlan(tp=2, precision="fp8", fp8_recipe="rowwise").validate(world, model_cfg, moe_cfg, dc.B)
+    par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, build_meshes(plan), loss_fn=dc.task_loss)
+    split = [n for n, m in par.model.named_modules()
+             if type(m).__name__ == "Float8Linear" and isinstance(m.weight, DTensor)]
+    banks = [m.fp8 for m in par.model.modules() if isinstance(m, ExpertBank)]
+    _grads_of(par.model, *dc.batch(0, MODEL["vocab_size"]))   # forward and backward run
+    return split, banks
+
+
+def test_parallelize_with_fp8_and_tp_splits_float8_linears():
+    for split, banks in run_distributed(_through_parallelize_worker, 2, {}, timeout=180):
+        assert len(split) == 8 and all(n.rpartition(".")[2] in ("wq", "wk", "wv", "wo") for n in split), split
+        assert len(banks) == 2 and all(banks), banks   # the dense FFN's and the experts'
+
+
+def test_a_split_linear_that_does_not_tile_is_refused_in_one_line():
+    """16 heads of width 8, 2 key/value heads: wk is [16, 128] whole (tiles by 16) but [8, 128]
+    on each tp rank, which torchao's FP8 matmul cannot take."""
+    with pytest.raises(Exception, match="attn.wk is \\[8, 128\\] on each tensor-parallel rank"):
+        run_distributed(_through_parallelize_worker, 2, dict(n_heads=16, n_kv_heads=2), timeout=180)

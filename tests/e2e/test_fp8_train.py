@@ -14,7 +14,9 @@ with one process's in fp32);
 steps 2-4 2e-3, the drift of Adam on weights whose FP8 roundings flipped once the masters
 differ by a rounding (tests/tolerance.py rule 5; measured up to 6e-4). The same run in bf16
 is 1.3e-4 away at step 1 (asserted > 10 x 1e-5), so a layout that lost FP8 on a rank fails
-there.
+there; etp and tp, held to 2e-3 at step 1, cannot tell -- under tp,
+tests/dist/test_fp8_tensor_parallel.py checks that parallelize with precision=fp8 leaves
+every attention Linear a split Float8Linear and every bank in FP8.
 
 Then a checkpoint of an FP8 run resumes without FP8 (the fp32 masters under their own
 names) and generates text."""

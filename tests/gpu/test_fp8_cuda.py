@@ -99,7 +99,14 @@ def test_grouped_fp8_kernel_equals_the_emulation(monkeypatch):
         pytest.skip("torchao's grouped blockwise FP8 kernel needs SM90+ and deep_gemm installed "
                     "(without it torchao only emulates, as moekit does)")
     bank, counts, x, gy = _bank()
+    real, calls = grouped_fp8_kernel(dev), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(experts, "grouped_fp8_kernel", lambda device: counted)
     kernel = _bank_run(copy.deepcopy(bank), x, counts, gy, dev)
+    assert len(calls) == 3, calls   # w1, w3, w2: the bank ran on the kernel
     monkeypatch.setattr(experts, "grouped_fp8_kernel", lambda device: None)
     emulated = _bank_run(copy.deepcopy(bank), x, counts, gy, dev)
     for name, k, e in zip(["y", "dx", "w1", "w2", "w3"], kernel, emulated):

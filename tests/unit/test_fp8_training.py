@@ -128,3 +128,28 @@ def test_fp8_refusals_name_the_field(over, words):
         cfg = load_config(None, over)
         w = workload_from_config(cfg)
         w.validate(dataclasses.replace(cfg.parallel, dp=-1), world)
+
+
+def test_fp8_linears_emulate_by_where_a_meta_model_will_run(monkeypatch):
+    """train.py builds the model on meta and materialises it inside parallelize: the FP8
+    Linears take torchao's kernels or its emulation by the device the model will run on
+    (parallel/fp8.py target_device), not by meta."""
+    import parallel.fp8 as fp8
+    from models import build_model
+    from models.config import ModelConfig, MoEConfig
+
+    def meta_model():
+        return build_model(ModelConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=2, d_ff=256),
+                           MoEConfig(num_experts=4, every=2), device="meta")
+
+    def emulates(model):
+        return {m.config.emulate for m in model.modules() if type(m).__name__ == "Float8Linear"}
+
+    on_cpu = meta_model()
+    fp8.apply_fp8(on_cpu, "tensorwise")
+    assert emulates(on_cpu) == {True}
+    monkeypatch.setattr(fp8, "default_device_type", lambda: "cuda")
+    monkeypatch.setattr(fp8, "fp8_matmul_available", lambda device: device.type == "cuda")
+    on_gpu = meta_model()
+    fp8.apply_fp8(on_gpu, "tensorwise")
+    assert emulates(on_gpu) == {False}
