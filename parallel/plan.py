@@ -249,8 +249,7 @@ def _check_recompute(p: ParallelPlan) -> None:
 
 def _check_recompute_model(p: ParallelPlan, m, moe_cfg) -> None:
     """A part the model does not have would be a setting that does nothing: refused."""
-    moe = _has_moe(moe_cfg)
-    dense = not moe or moe_cfg.every != 1 or getattr(moe_cfg, "first_moe_layer", 0) > 0
+    moe, dense = _has_moe(moe_cfg), _has_dense_ffn(moe_cfg)
     missing = {"mla_up_proj": getattr(m, "attention", "mha") != "mla",
                "mlp": not dense, "moe_act": not moe, "experts": not moe,
                "shared_experts": not moe or not getattr(moe_cfg, "num_shared_experts", 0)}
@@ -533,6 +532,11 @@ def _has_moe(moe_cfg) -> bool:
         getattr(moe_cfg, "num_experts", 0) > 0
 
 
+def _has_dense_ffn(moe_cfg) -> bool:
+    """Whether some block keeps a dense FFN (moe_cfg None: a dense model, or not known)."""
+    return not _has_moe(moe_cfg) or moe_cfg.every != 1 or getattr(moe_cfg, "first_moe_layer", 0) > 0
+
+
 def _check_replicas(p: ParallelPlan, moe_cfg) -> None:
     R, E = getattr(moe_cfg, "replica_slots", 0), moe_cfg.num_experts
     if R and p.ep == 1:
@@ -704,10 +708,8 @@ def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
             raise _err(f"parallel.precision=fp8 needs {name} to be a multiple of 128 (got {v}: "
                        f"the expert GEMMs' 128 x 128 weight blocks); change {name} or use "
                        f"precision=bf16")
-    dense = moe_cfg is None or not _has_moe(moe_cfg) or moe_cfg.every != 1 or \
-        getattr(moe_cfg, "first_moe_layer", 0) > 0
     d_ff = getattr(m, "d_ff", None)
-    if p.tp > 1 and dense and isinstance(d_ff, int) and d_ff % (128 * p.tp):
+    if p.tp > 1 and _has_dense_ffn(moe_cfg) and isinstance(d_ff, int) and d_ff % (128 * p.tp):
         raise _err(f"parallel.precision=fp8 with parallel.tp={p.tp} needs model.d_ff to be a "
                    f"multiple of 128 x tp = {128 * p.tp} (got {d_ff}: the dense FFN's d_ff is "
                    f"split tp ways and each slice must hold whole 128 x 128 blocks); change it "

@@ -60,3 +60,10 @@ def rounding_rtol(dtype: torch.dtype, roundings: int = 1) -> float:
     """Relative difference allowed between two results of the same maths that each pass
     through `roundings` roundings to `dtype` (rule 3)."""
     return 2 * roundings * unit_roundoff(dtype)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b| (b the reference), in float64 on the CPU (a tensor on any
+    device, of any float dtype); 1e-12 keeps an all-zero reference finite."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from tests.dist.harness import run_distributed
+from tests.tolerance import max_rel_err
 
 pytestmark = pytest.mark.dist
 T, K, N = 32, 256, 256
@@ -110,10 +111,6 @@ def _linear_worker(rank, world, recipe, style):
     return y, dx, dw.full_tensor()
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_linear_split_quantizes_like_one_process(recipe):
     for style in ("col", "row"):
@@ -123,8 +120,9 @@ def test_float8_linear_split_quantizes_like_one_process(recipe):
             if style == "row":  # each rank holds its K half of the input's gradient
                 dx = torch.cat([o[1] for o in outs], 1)
             for what, got, want in (("y", y, ref[0]), ("dx", dx, ref[1]), ("dw", dw, ref[2])):
-                assert _rel(got, want) <= LINEAR_REL, (recipe, style, rank, what, _rel(got, want))
-        apart = max(_rel(a, b) for a, b in zip(shard_local, ref))
+                err = max_rel_err(got, want)
+                assert err <= LINEAR_REL, (recipe, style, rank, what, err)
+        apart = max(max_rel_err(a, b) for a, b in zip(shard_local, ref))
         assert apart > CONTROL, (recipe, style, "shard-local scales would pass", apart)
 
 
@@ -176,10 +174,11 @@ def test_fp8_gpt_under_tp2_equals_one_process(recipe, attention):
     ref_logits, ref_grads = _grads_of(model, *dc.batch(0, MODEL["vocab_size"]))
     for (logits, grads), n_float8 in run_distributed(_model_worker, 2, recipe, attention, timeout=180):
         assert n_float8 == 8, n_float8   # q, k, v, o (mla: q, kv_a, kv_b, o) of both blocks
-        assert _rel(logits, ref_logits) <= MODEL_REL, _rel(logits, ref_logits)
+        assert max_rel_err(logits, ref_logits) <= MODEL_REL, max_rel_err(logits, ref_logits)
         assert set(grads) == set(ref_grads)
         for name, g in grads.items():
-            assert _rel(g, ref_grads[name]) <= GRAD_REL, (name, _rel(g, ref_grads[name]))
+            err = max_rel_err(g, ref_grads[name])
+            assert err <= GRAD_REL, (name, err)
 
 
 def _through_parallelize_worker(rank, world, model_kw):

@@ -14,3 +14,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.path).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 matmuls in fp32 (TF32 off) for the test, restored after it: the GPU tier compares
+    against CPU references at fp32 bounds."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

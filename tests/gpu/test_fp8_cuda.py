@@ -26,22 +26,11 @@ import torch.nn as nn
 import moe.experts as experts
 from moe.experts import ExpertBank
 from moe.fp8 import grouped_fp8_kernel
+from tests.tolerance import max_rel_err
 
 D, F, E = 256, 512, 4
 BOUND = 3e-2
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().float().cpu(), b.detach().float().cpu()
-    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+pytestmark = pytest.mark.usefixtures("no_tf32")
 
 
 def _bank_run(bank, x, counts, gy, dev):
@@ -68,7 +57,7 @@ def test_bank_emulation_on_cuda_equals_cpu(monkeypatch):
     cpu = _bank_run(copy.deepcopy(bank), x, counts, gy, torch.device("cpu"))
     gpu = _bank_run(copy.deepcopy(bank), x, counts, gy, torch.device("cuda"))
     for name, g, c in zip(["y", "dx", "w1", "w2", "w3"], gpu, cpu):
-        assert _rel(g, c) <= BOUND, (name, _rel(g, c))
+        assert max_rel_err(g, c) <= BOUND, (name, max_rel_err(g, c))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -90,7 +79,7 @@ def test_float8_linear_kernel_equals_its_emulation(recipe):
         (y.float() * gy).sum().backward()
         out.append((y, xi.grad, m.weight.grad))
     for name, k, e in zip(["y", "dx", "dw"], *out):
-        assert _rel(k, e) <= BOUND, (recipe, name, _rel(k, e))
+        assert max_rel_err(k, e) <= BOUND, (recipe, name, max_rel_err(k, e))
 
 
 def test_grouped_fp8_kernel_equals_the_emulation(monkeypatch):
@@ -110,4 +99,4 @@ def test_grouped_fp8_kernel_equals_the_emulation(monkeypatch):
     monkeypatch.setattr(experts, "grouped_fp8_kernel", lambda device: None)
     emulated = _bank_run(copy.deepcopy(bank), x, counts, gy, dev)
     for name, k, e in zip(["y", "dx", "w1", "w2", "w3"], kernel, emulated):
-        assert _rel(k, e) <= BOUND, (name, _rel(k, e))
+        assert max_rel_err(k, e) <= BOUND, (name, max_rel_err(k, e))

@@ -16,22 +16,11 @@ import torch
 
 from moe import MoELayer
 from moe.grouped_mm import resolve_impl, unsupported_reason
+from tests.tolerance import max_rel_err
 
 D, F, E, K = 64, 128, 8, 2
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().float().cpu(), b.detach().float().cpu()
-    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+pytestmark = pytest.mark.usefixtures("no_tf32")
 
 
 @pytest.mark.parametrize("impl", ["loop", "grouped_mm", "auto"])
@@ -59,10 +48,10 @@ def test_layer_on_cuda_matches_cpu(impl, dtype, cf):
     tol = TOL[dtype]
     assert yg.dtype == dtype and yg.device.type == "cuda"
     with torch.no_grad():
-        assert _rel(yg, ref(x)) <= tol
-    assert _rel(xg.grad, xr.grad) <= tol
+        assert max_rel_err(yg, ref(x)) <= tol
+    assert max_rel_err(xg.grad, xr.grad) <= tol
     for (name, p_ref), (_, p_gpu) in zip(ref.named_parameters(), gpu.named_parameters()):
-        assert _rel(p_gpu.grad, p_ref.grad) <= tol, name
+        assert max_rel_err(p_gpu.grad, p_ref.grad) <= tol, name
     took = gpu.experts.impl_for(xg.detach())
     assert took in ("loop", "grouped_mm")
     if impl == "auto":
