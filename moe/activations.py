@@ -10,6 +10,7 @@ Ungated: a = act(h1). Gated: a = act(h1) * h3, except GPT-OSS's clamped SwiGLU:
 bounded for low-precision inference). It is the one activation that is not act(h1) * h3, and
 this file is the only place that knows it.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,16 +18,20 @@ import torch.nn.functional as F
 
 CLAMPED_SWIGLU = "clamped_swiglu"
 
+def gelu_tanh(h):
+    return F.gelu(h, approximate="tanh")
+
+
 # name -> (base activation, gated). The base activation of clamped_swiglu is None: it is not
 # act(h1) * h3 (see Activation).
 ACTIVATIONS = {
     "gelu": (F.gelu, False),
-    "gelu_tanh": (lambda h: F.gelu(h, approximate="tanh"), False),
+    "gelu_tanh": (gelu_tanh, False),
     "relu": (F.relu, False),
     "silu": (F.silu, False),
     "swiglu": (F.silu, True),
     "geglu": (F.gelu, True),
-    "geglu_tanh": (lambda h: F.gelu(h, approximate="tanh"), True),  # T5 v1.1, Gemma
+    "geglu_tanh": (gelu_tanh, True),  # T5 v1.1, Gemma
     CLAMPED_SWIGLU: (None, True),
 }
 
@@ -34,6 +39,7 @@ ACTIVATIONS = {
 # an activation missing here falls back to autograd on a recomputed activation.
 _ACT_BACKWARD = {
     F.gelu: lambda g, h: torch.ops.aten.gelu_backward(g, h),
+    gelu_tanh: lambda g, h: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),
     F.silu: lambda g, h: torch.ops.aten.silu_backward(g, h),
     F.relu: lambda g, h: torch.ops.aten.threshold_backward(g, h, 0),
 }
@@ -48,6 +54,73 @@ def clamped_swiglu(h1_nF: torch.Tensor, h3_nF: torch.Tensor, alpha: float, limit
     g_nF = h1_nF.clamp(max=limit)
     u_nF = h3_nF.clamp(min=-limit, max=limit)
     return (u_nF + 1) * (g_nF * torch.sigmoid(g_nF * alpha))
+
+
+def _gated_forward(name: str, h1, h3, alpha: float, limit: float):
+    if name == CLAMPED_SWIGLU:
+        return clamped_swiglu(h1, h3, alpha, limit)
+    return ACTIVATIONS[name][0](h1) * h3
+
+
+def _gated_backward(name: str, da, h1, h3, alpha: float, limit: float):
+    if name == CLAMPED_SWIGLU:  # clamp's gradient passes where the bound holds (inclusive)
+        g = h1.clamp(max=limit)
+        sig = torch.sigmoid(g * alpha)
+        dg = da * (h3.clamp(min=-limit, max=limit) + 1) * (sig + alpha * g * sig * (1 - sig))
+        du = da * g * sig
+        return dg * (h1 <= limit), du * ((h3 >= -limit) & (h3 <= limit))
+    kernel = _ACT_BACKWARD[ACTIVATIONS[name][0]]
+    return kernel(da * h3, h1), da * ACTIVATIONS[name][0](h1)
+
+
+@functools.cache
+def _compiled(fn):
+    """fn compiled once per process (CUDA only): inductor fuses its pointwise ops into one
+    kernel, which eager aten cannot (each op reads and writes the [n, F] tensors)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _run(fn, *args):
+    return (_compiled(fn) if args[1].is_cuda else fn)(*args)
+
+
+# The gated activation as two ops (forward; backward giving both gradients): one fused kernel
+# each on CUDA, 12 and 20 times an [n, F] half's bytes instead of 20 and 44 as separate ops.
+@torch.library.custom_op("moekit::gated_act", mutates_args=())
+def gated_act(name: str, h1: torch.Tensor, h3: torch.Tensor, alpha: float,
+              limit: float) -> torch.Tensor:
+    return _run(_gated_forward, name, h1, h3, alpha, limit)
+
+
+@torch.library.custom_op("moekit::gated_act_backward", mutates_args=())
+def gated_act_backward(name: str, da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
+                       alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dh1, dh3 = _run(_gated_backward, name, da, h1, h3, alpha, limit)
+    return dh1.contiguous(), dh3.contiguous()
+
+
+@gated_act.register_fake
+def _(name, h1, h3, alpha, limit):
+    return torch.empty_like(h1)
+
+
+@gated_act_backward.register_fake
+def _(name, da, h1, h3, alpha, limit):
+    return torch.empty_like(h1), torch.empty_like(h3)
+
+
+def _gated_setup(ctx, inputs, output):
+    ctx.name, h1, h3, ctx.alpha, ctx.limit = inputs
+    ctx.save_for_backward(h1, h3)
+
+
+def _gated_autograd(ctx, grad):
+    h1, h3 = ctx.saved_tensors
+    dh1, dh3 = gated_act_backward(ctx.name, grad.contiguous(), h1, h3, ctx.alpha, ctx.limit)
+    return None, dh1, dh3, None, None
+
+
+gated_act.register_autograd(_gated_autograd, setup_context=_gated_setup)
 
 
 @dataclass(frozen=True)
@@ -76,18 +149,18 @@ class Activation:
     def __call__(self, h1, h3=None):
         if not self.gated:
             return self.base(h1)
-        if self.base is None:
-            return clamped_swiglu(h1, h3, self.alpha, self.limit)
-        return self.base(h1) * h3
+        if type(h1) is not torch.Tensor or type(h3) is not torch.Tensor:  # DTensor, subclasses
+            return _gated_forward(self.name, h1, h3, self.alpha, self.limit)
+        return gated_act(self.name, h1, h3, self.alpha, self.limit)
 
     def backward(self, da, h1, h3=None):
         """Gradients of a = self(h1, h3) for the upstream gradient da (no graph kept)."""
+        if self.gated:
+            return tuple(gated_act_backward(self.name, da.contiguous(), h1, h3, self.alpha,
+                                            self.limit))
         kernel = _ACT_BACKWARD.get(self.base)
         if kernel is None:
-            leaves = [t.detach().requires_grad_(True) for t in (h1, h3) if t is not None]
+            leaf = h1.detach().requires_grad_(True)
             with torch.enable_grad():
-                grads = torch.autograd.grad(self(*leaves), leaves, da)
-            return grads[0], (grads[1] if len(grads) > 1 else None)
-        if not self.gated:
-            return kernel(da, h1), None
-        return kernel(da * h3, h1), da * self.base(h1)
+                return torch.autograd.grad(self(leaf), leaf, da)[0], None
+        return kernel(da, h1), None

@@ -19,18 +19,17 @@ def capacity_keep_mask(ids_GSK: torch.Tensor, num_experts: int, capacity: int) -
 
     Sorts the assignments of each group by expert with a stable sort over precedence order
     (choice rank major, token minor); an assignment's position inside its expert's run is its
-    arrival order, kept iff < capacity. Costs one sort, no [T, E, C] one-hot tensors.
+    arrival order, kept iff < capacity. Costs one sort and one binary search, no [T, E, C]
+    one-hot tensors and no host sync.
     """
     G, S, K = ids_GSK.shape
     ids_GA = ids_GSK.transpose(1, 2).reshape(G, K * S)  # precedence order: k major, s minor
     group_offset_G1 = torch.arange(G, device=ids_GSK.device).unsqueeze(1) * num_experts
     keys_A = (ids_GA + group_offset_G1).reshape(-1)
-    order_A = torch.sort(keys_A, stable=True).indices
-    counts = torch.bincount(keys_A, minlength=G * num_experts)
-    run_start = torch.cumsum(counts, 0) - counts
-    pos_sorted_A = torch.arange(keys_A.numel(), device=keys_A.device) - run_start[keys_A[order_A]]
-    pos_A = torch.empty_like(pos_sorted_A)
-    pos_A[order_A] = pos_sorted_A
+    sorted_A, order_A = torch.sort(keys_A, stable=True)
+    run_start_A = torch.searchsorted(sorted_A, sorted_A)  # first position of each run
+    pos_sorted_A = torch.arange(keys_A.numel(), device=keys_A.device) - run_start_A
+    pos_A = torch.empty_like(pos_sorted_A).scatter_(0, order_A, pos_sorted_A)
     keep_GKS = (pos_A < capacity).reshape(G, K, S)
     return keep_GKS.transpose(1, 2).contiguous()
 

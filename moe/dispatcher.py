@@ -1,8 +1,16 @@
-"""Local (one-process) dispatcher: sort token copies by expert, and undo it in combine.
+"""Local (one-process) dispatcher: gather token copies in expert order, and undo it in combine.
 
-Shapes: T tokens, D model dim, A assignments, N dispatched rows (N == A here), E experts.
+Shapes: T tokens, D model dim, A assignments, N dispatched rows (N == A here), E experts,
+K slots per token (top-k).
 `dispatch` returns an immutable `DispatchMeta` that `combine` consumes; nothing is kept on
-the dispatcher between calls. No [T, E, C] one-hot tensors and no padding rows.
+the dispatcher between calls. No [T, E, C] one-hot tensors, no host sync, static shapes:
+under a capacity limit the dropped assignments sort last (expert id E) and are carried as
+rows the experts leave at zero.
+
+Both permutations are gathers whose backward is a gather by the inverse permutation, known
+from the forward (never a sort-based backward): token choice's slots t*K+k are a permutation
+of the A rows. Expert choice picks tokens per expert, so its rows fan in: there the backward
+of the dispatch, and the combine, are one index_add.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -17,11 +25,19 @@ from .wire import round_trip
 @dataclass(frozen=True)
 class DispatchMeta:
     token_N: torch.Tensor           # long [N]: source token row of each dispatched row
-    gate_N: torch.Tensor            # fp32 [N]: its gate weight
-    slot_N: Optional[torch.Tensor]  # long [N]: t*K + k (token choice) or None (expert choice)
+    gate_rows: Optional[torch.Tensor]  # fp32 [N]: its gate weight (None: taken from gate_A)
+    slot_N: Optional[torch.Tensor]  # long [N]: t*K + k (token choice) or None (rows fan in)
     slots_per_token: int
     num_tokens: int
     counts_E: torch.Tensor          # long [E]: rows per local expert, in order, on the device
+    row_A: Optional[torch.Tensor] = None   # long [A = T*K]: the row of slot t*K+k (token choice)
+    gate_A: Optional[torch.Tensor] = None  # fp32 [A]: the gates in slot order (token choice)
+    padded: bool = False            # rows past sum(counts_E) are dropped assignments
+
+    @property
+    def gate_N(self) -> torch.Tensor:
+        """fp32 [N]: each row's gate (token choice: gathered from the slot order on demand)."""
+        return self.gate_A[self.slot_N] if self.gate_rows is None else self.gate_rows
 
     @property
     def rank_rows(self) -> torch.Tensor:
@@ -36,54 +52,81 @@ class DispatchMeta:
 
 
 def sort_by_expert(routing: Routing, num_experts: int):
-    """Stable sort of the assignments by expert id -> (order_A, counts_E).
-
-    counts_E: a long [E] tensor on the device (scatter_add: unlike bincount, it needs no
-    host sync); the experts turn it into host ints only if their path needs them.
-    """
-    order_A = torch.sort(routing.expert_A, stable=True).indices
-    expert_A = routing.expert_A
-    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_A.device)
-    return order_A, counts_E.scatter_add_(0, expert_A, torch.ones_like(expert_A))
+    """Stable sort of the assignments by expert id -> (order_A, counts_E): dropped assignments
+    (id E) last; counts_E the routing's kept counts, a long [E] on the device."""
+    return torch.argsort(routing.expert_A, stable=True), routing.kept_E
 
 
-def gather_sorted(x_TD: torch.Tensor, routing: Routing, order_A: torch.Tensor):
-    """Rows of x in expert order, with their source token, gate and slot.
+def sorted_meta(routing: Routing, order_A: torch.Tensor, counts_E) -> DispatchMeta:
+    """The DispatchMeta of the assignments taken in `order_A` (a permutation of all A)."""
+    if routing.fan_in_tokens_A is not None:  # expert choice: rows fan in
+        return DispatchMeta(routing.token_A[order_A], routing.gate_A[order_A], None, 0,
+                            routing.num_tokens, counts_E, padded=routing.dropped)
+    K = routing.slots_per_token
+    row_A = torch.empty_like(order_A).scatter_(
+        0, order_A, torch.arange(order_A.numel(), device=order_A.device))
+    return DispatchMeta(torch.div(order_A, K, rounding_mode="floor"), None, order_A, K,
+                        routing.num_tokens, counts_E, row_A, routing.gate_A, routing.dropped)
 
-    F.embedding rather than x_TD[token_N]: same forward gather, but its backward sums each
-    token's K row gradients with a plain index_add, which measured clearly faster on CPU than
-    advanced indexing's index_put(accumulate=True) backward (and is deterministic).
-    """
-    token_N = routing.token_A[order_A]
-    slot_N = None if routing.slot_A is None else routing.slot_A[order_A]
-    return F.embedding(token_N, x_TD), token_N, routing.gate_A[order_A], slot_N
+
+class _GatherRows(torch.autograd.Function):
+    """rows = x_TD[token_N]; backward sums each token's row gradients: over its K slots by
+    their known rows (one embedding_bag, a gather-and-sum), or one index_add (fan-in)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, meta):
+        ctx.meta, ctx.T = meta, x_TD.shape[0]
+        return x_TD.index_select(0, meta.token_N)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_ND):
+        meta, T = ctx.meta, ctx.T
+        if meta.row_A is None or g_ND.shape[0] != meta.row_A.numel():
+            return g_ND.new_zeros(T, g_ND.shape[-1]).index_add_(0, meta.token_N, g_ND), None
+        return F.embedding_bag(meta.row_A.view(T, meta.slots_per_token), g_ND, mode="sum"), None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """out = y[index]; index a permutation whose inverse `inverse` is known: backward gathers."""
+
+    @staticmethod
+    def forward(ctx, y, index, inverse):
+        ctx.save_for_backward(inverse)
+        return y.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return g.index_select(0, inverse), None, None
+
+
+def gather_sorted(x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+    """x's rows in the order of meta (expert order): one gather."""
+    return _GatherRows.apply(x_TD, meta)
 
 
 def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch.Tensor:
-    """out[t] = sum over token t's kept rows of gate * y_row, in slot (k) order.
+    """out[t] = sum over token t's kept rows of gate * y_row.
 
-    One fused F.embedding_bag: bag t holds token t's rows (a dropped slot is simply absent),
-    per-sample weights are the gates. It reads y once, allocates no [T*K, D] buffer and no
-    fp32 copy of a bf16 y, and its backward is a gather for y (every row is used exactly
-    once) and a row-dot for the gates, so it is deterministic. The gates are cast to y's
-    dtype: in bf16 runs the weighting and the router's gate gradient have bf16 precision,
-    like the expert outputs they multiply (the router itself stays fp32).
+    Token choice: the rows are gathered into slot order [T, K, D] (backward: the gather by the
+    forward order) and one batched matmul [T, 1, K] x [T, K, D] weighs and sums them; dropped
+    slots have gate 0 and a zero row. y may have fewer rows than slots (an exchange returns
+    only the kept ones, which come first): zero rows stand in for the rest. Rows that fan in
+    (expert choice, the hierarchical proxies): one index_add of gate * y. The gates are cast
+    to y's dtype; no fp32 copy of y is made.
     """
-    T, N, D = meta.num_tokens, y_ND.shape[0], y_ND.shape[-1]
-    if N == 0 or T == 0:  # nothing kept: zeros that still belong to the graph
-        return (y_ND.sum() * 0 + y_ND.new_zeros(T, D)).to(out_dtype)
-    # token choice: slot t*K+k orders rows by (token, k); expert choice: by (token, expert)
-    key_N = meta.slot_N if meta.slot_N is not None else meta.token_N
-    bag_order_N = torch.sort(key_N, stable=True).indices
-    counts_T = torch.bincount(meta.token_N, minlength=T)
-    offsets_T = torch.cumsum(counts_T, 0) - counts_T
-    if y_ND.is_cuda and y_ND.dtype == torch.bfloat16 and torch.is_grad_enabled():
-        # CUDA has no bf16 kernel for the gates' gradient (per-sample-weights backward;
-        # measured on an H200, torch 2.11): this case weighs in fp32 (one fp32 copy of y)
-        y_ND = y_ND.float()
-    gate_N = meta.gate_N[bag_order_N].to(y_ND.dtype)
-    out_TD = F.embedding_bag(bag_order_N, y_ND, offsets_T, mode="sum", per_sample_weights=gate_N)
-    return out_TD.to(out_dtype)
+    T, D = meta.num_tokens, y_ND.shape[-1]
+    if meta.row_A is None:
+        w_ND = y_ND * meta.gate_N.to(y_ND.dtype).unsqueeze(-1)
+        return y_ND.new_zeros(T, D).index_add_(0, meta.token_N, w_ND).to(out_dtype)
+    A, K = meta.row_A.numel(), meta.slots_per_token
+    if y_ND.shape[0] < A:
+        y_ND = torch.cat([y_ND, y_ND.new_zeros(A - y_ND.shape[0], D)])
+    y_TKD = _PermuteRows.apply(y_ND, meta.row_A, meta.slot_N).view(T, K, D)
+    gate_T1K = meta.gate_A.to(y_ND.dtype).view(T, 1, K)
+    return torch.bmm(gate_T1K, y_TKD).view(T, D).to(out_dtype)
 
 
 class LocalDispatcher:
@@ -97,10 +140,8 @@ class LocalDispatcher:
         exchange's format (moe/wire.py), applied here as the same rounding with no exchange;
         waiter: unused (nothing to wait for)."""
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
-        x_ND, token_N, gate_N, slot_N = gather_sorted(x_TD, routing, order_A)
-        meta = DispatchMeta(token_N, gate_N, slot_N, routing.slots_per_token, routing.num_tokens,
-                            counts_E)
-        return round_trip(x_ND, wire), counts_E, meta
+        meta = sorted_meta(routing, order_A, counts_E)
+        return round_trip(gather_sorted(x_TD, meta), wire), counts_E, meta
 
     def expert_weights(self, params: tuple, meta: DispatchMeta) -> tuple:
         """The weights of every expert slot: here just the experts (no replicas)."""

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .all_to_all import all_to_all, exchange_counts
-from .dispatcher import DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, weighted_combine
+from .dispatcher import (DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, sorted_meta,
+                         weighted_combine)
 from .nodes import one_node
 from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
@@ -38,7 +39,8 @@ EXPERT_PARAM_ATTR = "_moe_expert"  # set True on parameters that hold experts
 @dataclass(frozen=True)
 class SendPlan:
     x_AD: torch.Tensor         # this rank's kept rows in send order (destination, slot)
-    local: DispatchMeta        # their tokens, gates and slots, in the same order
+    local: DispatchMeta        # their tokens, gates and slots, in the same order (then the
+                               # dropped assignments, which are not sent)
     table_PPW: torch.Tensor    # long [P, P, W]: rows source -> destination slot (all ranks')
     placement: Placement       # the same on every rank of the group
 
@@ -114,15 +116,16 @@ class ExpertParallelDispatcher:
         counts_PE = exchange_counts(mine_PE, self.group).tolist()  # row p: rank p's
         placement = plan_placement([sum(c) for c in zip(*counts_PE)], P, self.replica_slots)
         routes = route_rows(placement, counts_PE)
+        kept = sum(counts_PE[r])
         if self.replica_slots:  # rows of a replicated expert may go to several ranks
             runs = routes.runs[r]
             g_A = torch.repeat_interleave(torch.tensor([g for g, _ in runs], dtype=torch.long),
                                           torch.tensor([n for _, n in runs], dtype=torch.long))
-            order_A = order_A[torch.sort(g_A.to(order_A.device), stable=True).indices]
-        x_AD, token_A, gate_A, slot_A = gather_sorted(x_TD, routing, order_A)
-        local = DispatchMeta(token_A, gate_A, slot_A, routing.slots_per_token,
-                             routing.num_tokens, counts_E)
-        return SendPlan(x_AD, local, routes.table_PPW, placement)
+            first = order_A[:kept][torch.sort(g_A.to(order_A.device), stable=True).indices]
+            order_A = torch.cat([first, order_A[kept:]])
+        local = sorted_meta(routing, order_A, counts_E)
+        x_AD = gather_sorted(x_TD, local)
+        return SendPlan(x_AD[:kept] if routing.dropped else x_AD, local, routes.table_PPW, placement)
 
     def exchange_plan(self, table_PPW: torch.Tensor, placement: Placement) -> "Exchange":
         """Splits, permutations and slot counts of one exchange whose rows per (source,

@@ -160,6 +160,7 @@ class ExpertBank(nn.Module):
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
         self.fp8 = False  # parallel.precision=fp8 (set_fp8)
+        self.set_cast_cache(True)
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_local, d_ff, d_model))
         self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_ff)) if self.gated else None
@@ -214,35 +215,65 @@ class ExpertBank(nn.Module):
         """(w1, w2, w3, b1, b2, b3), None where absent: what forward's `params` replaces."""
         return (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
 
-    def forward(self, x_ND: torch.Tensor, counts, extend=None) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts, extend=None, padded: bool = False) -> torch.Tensor:
         """extend(weights) -> weights to run: called here, inside this module's forward (where
         FSDP2 has unsharded the parameters), with `weights()`; it may append expert rows
         (the expert-parallel dispatcher appends replicas of other ranks' experts). counts
-        has one entry per row of the weights run."""
+        has one entry per row of the weights run. padded: x_ND may hold rows past
+        sum(counts) (dropped assignments kept for static shapes); their outputs are zero."""
         params = self.weights() if extend is None else tuple(extend(self.weights()))
         if len(counts) != params[0].shape[0]:
             raise ValueError(f"counts has {len(counts)} entries for {params[0].shape[0]} local experts")
-        if self.fp8:
-            return self._forward_fp8(x_ND, counts, params)
-        impl = self.impl_for(x_ND)
+        impl = "fp8" if self.fp8 else self.impl_for(x_ND)
         if impl != "grouped_mm" and isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # the loops slice on the host
+        if impl != "grouped_mm" and padded and sum(counts) < x_ND.shape[0]:
+            kept = sum(counts)
+            y_kD = self.forward(x_ND[:kept], counts, lambda _: params)
+            return torch.cat([y_kD, y_kD.new_zeros(x_ND.shape[0] - kept, y_kD.shape[-1])])
+        if impl == "fp8":
+            return self._forward_fp8(x_ND, counts, params)
         if impl == "ops":
             return self._forward_ops(x_ND, counts, params)
         dev = x_ND.device.type
         if torch.is_autocast_enabled(dev):
-            # autocast would run every matmul in its low dtype: cast once (differentiably,
-            # so fp32 master weights get fp32 grads) and run the fused path with it off
+            # autocast would run every matmul in its low dtype: cast once (the weights once per
+            # optimizer step, _cast_weights) and run the fused path with it off
             dt = torch.get_autocast_dtype(dev)
-            x_ND, params = x_ND.to(dt), tuple(None if p is None else p.to(dt) for p in params)
+            x_ND, params = x_ND.to(dt), self._cast_weights(params, dt)
             with torch.autocast(dev, enabled=False):
-                return self._fused(impl, x_ND, counts, params)
-        return self._fused(impl, x_ND, counts, params)
+                return self._fused(impl, x_ND, counts, params, padded)
+        return self._fused(impl, x_ND, counts, params, padded)
 
-    def _fused(self, impl, x_ND, counts, params):
+    def set_cast_cache(self, on: bool) -> None:
+        """Keep the compute-dtype copy of the weights between micro-batches (default on);
+        ZeRO-3 turns it off: its weights are gathered per forward and cast after the gather."""
+        self.cast_cache = on
+        self._casts = {}
+
+    def _cast_weights(self, params: tuple, dt) -> tuple:
+        """params in dtype dt, differentiably (fp32 masters get fp32 grads). A parameter's cast
+        is made once and reused while the parameter is unchanged: the optimizer's in-place
+        step bumps its version, a new storage changes its address."""
+        own = {id(p) for p in self.weights() if p is not None}
+        return tuple(None if p is None else p if p.dtype == dt else
+                     _CachedCast.apply(p, self._cast_of(p, dt)) if self.cast_cache and id(p) in own
+                     else p.to(dt) for p in params)
+
+    def _cast_of(self, p, dt):
+        key = (id(p), dt)
+        stamp = (p._version, p.data_ptr())
+        hit = self._casts.get(key)
+        if hit is None or hit[0] != stamp:
+            with torch.no_grad():
+                hit = (stamp, p.detach().to(dt))
+            self._casts[key] = hit
+        return hit[1]
+
+    def _fused(self, impl, x_ND, counts, params, padded=False):
         if impl == "loop":
             return grouped_ffn(x_ND, counts, self.act, *params)
-        return grouped_mm_ffn(x_ND, counts, self.act, *params)
+        return grouped_mm_ffn(x_ND, counts, self.act, *params, padded=padded)
 
     def _forward_ops(self, x_ND: torch.Tensor, counts: list, params: tuple = None,
                      linear=None) -> torch.Tensor:
@@ -281,6 +312,19 @@ class ExpertBank(nn.Module):
             if kernel is not None and _plain(x_ND, params, same_dtype=False):
                 return grouped_fp8_ffn(kernel, x_ND.to(dt), counts, self.act, *params)
             return self._forward_ops(x_ND.to(dt), counts, params, _fp8_linear)
+
+
+class _CachedCast(torch.autograd.Function):
+    """p as its cached copy `cast` (another dtype); the gradient goes back in p's dtype."""
+
+    @staticmethod
+    def forward(ctx, p, cast):
+        ctx.dtype = p.dtype
+        return cast.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None
 
 
 def _linear(x_nK, w_KN, b_N):

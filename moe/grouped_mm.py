@@ -81,7 +81,7 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, d_model: i
         return "grouped_mm"
     if reason:
         return "loop"
-    if _cuda_fast_path(device, dtype):
+    if device.type == "cuda":  # the loop reads the counts on the host: never on a GPU
         return "grouped_mm"
     return AUTO_IMPL.get((device.type, dtype), "loop")
 
@@ -110,17 +110,21 @@ class _GroupedMMFFN(torch.autograd.Function):
     like the loop path."""
 
     @staticmethod
-    def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3):
+    def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3, padded=False):
         N, gated = x_ND.shape[0], w3 is not None
         has_bias = any(b is not None for b in (b1, b2, b3))
         # expert of each row, only for biases: counts how many ends lie at or before the row
         expert_N = (torch.searchsorted(offs_E, torch.arange(N, device=x_ND.device,
                                                             dtype=torch.int32), right=True)
-                    if has_bias else None)
+                    .clamp_(max=w1.shape[0] - 1) if has_bias else None)  # padded rows: the last
         h1 = _add_bias(_gmm(x_ND, w1, offs_E), b1, expert_N)
         h3 = _add_bias(_gmm(x_ND, w3, offs_E), b3, expert_N) if gated else None
         a = act(h1, h3)
         y_ND = _add_bias(_gmm(a, w2, offs_E), b2, expert_N)
+        # rows past the last offset (dropped assignments) are left unwritten by the kernel
+        live_N1 = (torch.arange(N, device=x_ND.device) < offs_E[-1]).unsqueeze(1) if padded else None
+        y_ND = y_ND if live_N1 is None else torch.where(live_N1, y_ND, 0)
+        ctx.live_N1 = live_N1
         ctx.act = act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
         ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, None if act.recompute else a)
@@ -136,11 +140,15 @@ class _GroupedMMFFN(torch.autograd.Function):
         gated = w3 is not None
         da = _gmm(dy_ND, w2.transpose(-2, -1), offs_E)
         dh1, dh3 = ctx.act.backward(da, h1, h3)
+        if ctx.live_N1 is not None and any(ctx.has_bias):  # unwritten rows must not reach db
+            dh1, dh3 = (None if d is None else torch.where(ctx.live_N1, d, 0) for d in (dh1, dh3))
         dx = dw1 = dw2 = dw3 = db1 = db2 = db3 = None
         if ctx.needs_input_grad[0]:
             dx = _gmm(dh1, w1.transpose(-2, -1), offs_E)
             if gated:
-                dx = dx + _gmm(dh3, w3.transpose(-2, -1), offs_E)
+                dx += _gmm(dh3, w3.transpose(-2, -1), offs_E)
+            if ctx.live_N1 is not None:
+                dx = torch.where(ctx.live_N1, dx, 0)
         if any(ctx.needs_input_grad[3:]):
             dw1 = _gmm(x_ND.t(), dh1, offs_E)
             dw2 = _gmm(a.t(), dy_ND, offs_E)
@@ -149,16 +157,18 @@ class _GroupedMMFFN(torch.autograd.Function):
             db1, db2, db3 = (
                 x_ND.new_zeros(E, src.shape[-1]).index_add_(0, expert_N, src) if has else None
                 for has, src in zip(ctx.has_bias, (dh1, dy_ND, dh3)))
-        return dx, None, None, dw1, dw2, dw3, db1, db2, db3
+        return dx, None, None, dw1, dw2, dw3, db1, db2, db3, None
 
 
-def grouped_mm_ffn(x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None):
+def grouped_mm_ffn(x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None,
+                   padded=False):
     """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND via grouped GEMMs.
 
     act: a moe.activations.Activation (its forward and backward). counts: long [E] tensor
-    (no host sync) or Python ints.
+    (no host sync) or Python ints. padded: x_ND may hold rows past sum(counts) (dropped
+    assignments, static shapes): their outputs and gradients are zero.
     """
     if len(counts) != w1.shape[0]:
         raise ValueError(f"counts has {len(counts)} entries for {w1.shape[0]} local experts")
     offs_E = offsets_from_counts(counts, x_ND.device)
-    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act, w1, w2, w3, b1, b2, b3)
+    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act, w1, w2, w3, b1, b2, b3, padded)

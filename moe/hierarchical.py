@@ -114,7 +114,7 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         node_A = torch.repeat_interleave(node_P, rows_P)
         assign_node = torch.bincount(node_A, minlength=nodes.num_nodes)
         node_A = node_A.to(x_TD.device)
-        key_A = node_A * T + sp.local.token_N
+        key_A = node_A * T + sp.local.token_N[:node_A.numel()]  # the sent (kept) rows
         key_U, inv_A = torch.unique(key_A, sorted=True, return_inverse=True)
         per_node = torch.bincount(key_U // T, minlength=nodes.num_nodes)
         start_node = torch.cumsum(per_node, 0) - per_node
@@ -141,7 +141,8 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         # the assignments' row indices (no gradient) and gates (differentiable) to the proxies
         idx_A1 = start_exchange(index_A.to(torch.int32).view(-1, 1), recv_a, send_a, self.group,
                                 async_op=False)[0].view(-1).long()
-        gate_A1 = all_to_all(sp.local.gate_N.view(-1, 1), recv_a, send_a, self.group, None, waiter).view(-1)
+        gate_A = sp.local.gate_N[:sp.x_AD.shape[0]]  # the sent (kept) rows
+        gate_A1 = all_to_all(gate_A.view(-1, 1), recv_a, send_a, self.group, None, waiter).view(-1)
         # as a proxy: assignments arrive (source, destination, slot); hop 2 sends (destination, slot, source)
         mask = torch.zeros(P, P, 1, dtype=torch.long)
         mask[torch.tensor(mine).view(-1, 1), torch.tensor(on_node).view(1, -1)] = 1

@@ -272,7 +272,7 @@ class MoELayer(nn.Module):
                 x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, wires[0], self.a2a_waiter)
             with record_function("moe.experts"):
                 extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
-                y_ND = self._run_experts(x_ND, counts_E, extend)
+                y_ND = self._run_experts(x_ND, counts_E, extend, getattr(meta, "padded", False))
             with record_function("moe.combine"):
                 y_TD = self.dispatcher.combine(y_ND, meta, x.dtype, wires[1], self.a2a_waiter)
             if self.shared_experts is not None and not self.shared_run_outside:
@@ -281,11 +281,16 @@ class MoELayer(nn.Module):
         self._record(routing, meta, losses)
         return y_TD.reshape(shape)
 
-    def _run_experts(self, x_ND, counts, extend):
+    def _run_experts(self, x_ND, counts, extend, padded=False):
         if self.etp_group is None:
-            return self.experts(x_ND, counts, extend)
-        # the layout changes here: rows gathered over the etp group and back
+            return self.experts(x_ND, counts, extend, padded)
+        # the layout changes here: rows gathered over the etp group and back (it exchanges
+        # the counts on the host anyway, so the kept rows are cut off here)
         from .expert_tp import tensor_parallel_experts
+        if padded:
+            kept = int(counts.sum())
+            y_kD = tensor_parallel_experts(self.experts, x_ND[:kept], counts, extend, self.etp_group)
+            return torch.cat([y_kD, y_kD.new_zeros(x_ND.shape[0] - kept, y_kD.shape[-1])])
         return tensor_parallel_experts(self.experts, x_ND, counts, extend, self.etp_group)
 
     def _overlapped(self) -> bool:
@@ -341,8 +346,9 @@ class MoELayer(nn.Module):
 
     def _record(self, routing, meta, losses: dict) -> None:
         self.aux_losses = losses
-        coefs = {"load_balance": self.aux_loss_coef, "z_loss": self.z_loss_coef}
-        self.aux_loss = sum(coefs[k] * v for k, v in losses.items())
+        z = losses["z_loss"] * self.z_loss_coef
+        lb = losses.get("load_balance")
+        self.aux_loss = z if lb is None else torch.add(z, lb, alpha=self.aux_loss_coef)
         with torch.no_grad():
             self.last_stats = RoutingStats(routing.routed_E.detach(), routing.kept_E.detach(),
                                            routing.num_tokens, self.top_k, routing.entropy,

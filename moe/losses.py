@@ -40,15 +40,17 @@ def router_z_loss(logits_GSE: torch.Tensor) -> torch.Tensor:
 
 def load_balance_loss(probs_GSE: torch.Tensor, ids_GSK: torch.Tensor) -> torch.Tensor:
     """The sequence variant without mask or group: per group E * sum_e f_e * P_e, mean over
-    groups."""
+    groups (one scatter for the counts, one dot product for the sum)."""
     G, S, E = probs_GSE.shape
     K = ids_GSK.shape[-1]
     with torch.no_grad():
-        counts_GE = torch.zeros(G, E, device=probs_GSE.device, dtype=probs_GSE.dtype)
-        counts_GE.scatter_add_(1, ids_GSK.reshape(G, S * K), torch.ones_like(ids_GSK, dtype=probs_GSE.dtype).reshape(G, S * K))
-        frac_GE = counts_GE / (S * K)
-    mean_prob_GE = probs_GSE.mean(dim=1)
-    return E * (frac_GE * mean_prob_GE).sum(dim=-1).mean()
+        group_A = ids_GSK.reshape(G, S * K)
+        if G > 1:
+            group_A = group_A + torch.arange(0, G * E, E, device=group_A.device).unsqueeze(1)
+        counts_GE = torch.zeros(G * E, device=probs_GSE.device, dtype=probs_GSE.dtype)
+        counts_GE.scatter_add_(0, group_A.reshape(-1), counts_GE.new_ones(()).expand(G * S * K))
+    mean_prob_GE = probs_GSE.mean(dim=1).reshape(-1)
+    return torch.dot(counts_GE, mean_prob_GE) * (E / (S * K * G))
 
 
 def _weights_GS(probs_GSE, mask_GS):

@@ -2,9 +2,14 @@
 
 Shapes: T tokens, D model dim, E experts, K top-k, G routing groups, S tokens per group,
 C expert capacity per group, A assignments.
-Logits and scores are fp32 for fp32/bf16/fp16 inputs (fp64 inputs stay fp64, so a float64
-reference run is exact), whatever the parameter dtype, unless `logits_dtype`/`score_dtype`
-pin them (to reproduce checkpoints whose routers compute in fp32 even in an fp64 run).
+Scores are fp32 for fp32/bf16/fp16 inputs (fp64 inputs stay fp64, so a float64 reference
+run is exact), whatever the parameter dtype. A bf16/fp16 input is not copied to fp32: the
+router weight is cast to the input's dtype (an [E, D] copy), the GEMM accumulates in fp32 and
+its [T, E] logits are widened (as HF Mixtral and Megatron-Core's default router do).
+`logits_dtype`/`score_dtype` pin the dtypes (logits_dtype="float32": the input is widened and
+the GEMM runs in fp32, to reproduce checkpoints whose routers compute in fp32).
+Routing has static shapes and never waits for the device: counts are scatters, capacity a
+sort and a binary search (moe/capacity.py).
 The scoring and selection steps themselves are pure functions in moe/scoring.py.
 """
 import torch
@@ -13,7 +18,7 @@ import torch.nn as nn
 from .capacity import capacity_keep_mask, expert_capacity
 from .config import RoutingConfig
 from .losses import router_z_loss
-from .routing import Routing
+from .routing import Routing, count_ids
 from .scoring import balance_probs, gates_for, scores_from_logits, select_experts
 
 
@@ -39,7 +44,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(E)) if config.router_bias else None
         self.register_buffer("selection_bias", torch.zeros(E, dtype=torch.float32))
         # routed-assignment counts accumulated since the last bias update (training only)
-        self.register_buffer("pending_load", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.register_buffer("pending_load", torch.zeros(E, dtype=torch.long), persistent=False)
         self.reset_parameters()
 
     @property
@@ -58,11 +63,12 @@ class Router(nn.Module):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         c = self.config
         dtype = c.logits_dtype or torch.promote_types(x_TD.dtype, torch.float32)
-        x32_TD = x_TD.to(dtype)
+        gemm_dtype = dtype if c.logits_dtype is not None else x_TD.dtype  # low precision: no x copy
+        x_TD = x_TD.to(gemm_dtype)
         if self.training and c.jitter > 0:
-            noise = torch.empty_like(x32_TD).uniform_(1.0 - c.jitter, 1.0 + c.jitter)
-            x32_TD = x32_TD * noise
-        logits_TE = x32_TD @ self.weight.to(dtype).t()
+            noise = torch.empty_like(x_TD).uniform_(1.0 - c.jitter, 1.0 + c.jitter)
+            x_TD = x_TD * noise
+        logits_TE = (x_TD @ self.weight.to(gemm_dtype).t()).to(dtype)
         return logits_TE if self.bias is None else logits_TE + self.bias.to(dtype)
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
@@ -86,9 +92,9 @@ class Router(nn.Module):
                                  "expert_choice picks tokens per expert, not experts per token)")
             routing = self._expert_choice(scores_GSE, capacity_factor, z_loss)
         else:
-            routing = self._token_choice(scores_GSE, capacity_factor, z_loss, replay_ids)
+            routing = self._token_choice(scores_GSE, capacity_factor, z_loss, replay_ids, logits_GSE)
         if self.training:
-            self.pending_load += routing.routed_E.to(self.pending_load.dtype)
+            self.pending_load += routing.routed_E
         return routing
 
     def _capacity(self, capacity_factor, S: int):
@@ -100,7 +106,8 @@ class Router(nn.Module):
             return None
         return expert_capacity(capacity_factor, S, c.top_k, c.num_experts)
 
-    def _token_choice(self, scores_GSE, capacity_factor, z_loss, replay_ids=None) -> Routing:
+    def _token_choice(self, scores_GSE, capacity_factor, z_loss, replay_ids=None,
+                      logits_GSE=None) -> Routing:
         c = self.config
         G, S, E = scores_GSE.shape
         K, T = c.top_k, G * S
@@ -110,27 +117,31 @@ class Router(nn.Module):
                                     expert_nodes=c.expert_nodes, max_nodes=c.max_nodes)
         else:
             ids_TK = replayed_ids(replay_ids, T, K, E, scores_GSE.device)
-        gates_TK = gates_for(scores_TE, ids_TK, c.norm_topk_prob, c.routed_scaling_factor)
+        # the shortcut's rounding differs from softmax-then-renormalise at 1e-7 in fp32: not
+        # where the dtypes are pinned to reproduce a checkpoint's arithmetic
+        same = c.score_func == "softmax" and c.logits_dtype is None and c.score_dtype is None
+        softmax_logits = logits_GSE.reshape(T, E) if same else None
+        gates_TK = gates_for(scores_TE, ids_TK, c.norm_topk_prob, c.routed_scaling_factor,
+                             softmax_logits)
         if c.force_balance:  # benchmarking: same gates, experts dealt round-robin
             if replay_ids is not None:
                 raise ValueError("router replay with moe.force_balance=true: the forced "
                                  "round-robin would override the replayed experts; set one")
             ids_TK = forced_balanced_ids(T, K, E, scores_GSE.device)
         ids_GSK = ids_TK.reshape(G, S, K)
-        slot_A = torch.arange(T * K, device=scores_GSE.device)
-        capacity = self._capacity(capacity_factor, S)
-        if capacity is not None:
-            keep_GSK = capacity_keep_mask(ids_GSK, E, capacity)
-            slot_A = slot_A[keep_GSK.reshape(-1)]
+        expert_A, gate_A = ids_TK.reshape(-1), gates_TK.reshape(-1)
+        routed_E = count_ids(expert_A, E)
+        kept_E, capacity = routed_E, self._capacity(capacity_factor, S)
+        if capacity is not None:  # a dropped assignment keeps its slot: expert E, gate 0
+            keep_A = capacity_keep_mask(ids_GSK, E, capacity).reshape(-1)
+            expert_A = torch.where(keep_A, expert_A, E)
+            gate_A = gate_A * keep_A
+            kept_E = count_ids(expert_A, E)
         probs_GSE = balance_probs(scores_GSE, c.score_func)
         return Routing(
-            token_A=torch.div(slot_A, K, rounding_mode="floor"),
-            expert_A=ids_TK.reshape(-1)[slot_A],
-            gate_A=gates_TK.reshape(-1)[slot_A],
-            slot_A=slot_A, slots_per_token=K, num_tokens=T,
-            routed_E=torch.bincount(ids_TK.reshape(-1), minlength=E),
-            z_loss=z_loss, entropy=_entropy(probs_GSE),
-            probs_GSE=probs_GSE, ids_GSK=ids_GSK,
+            expert_A=expert_A, gate_A=gate_A, slots_per_token=K, num_tokens=T,
+            routed_E=routed_E, kept_E=kept_E, z_loss=z_loss, entropy=_entropy(probs_GSE),
+            probs_GSE=probs_GSE, ids_GSK=ids_GSK, dropped=capacity is not None,
         )
 
     def _expert_choice(self, scores_GSE, capacity_factor, z_loss) -> Routing:
@@ -146,10 +157,11 @@ class Router(nn.Module):
         tok_GEC = tok_GEC + (torch.arange(G, device=tok_GEC.device) * S).view(G, 1, 1)
         expert_GEC = torch.arange(E, device=tok_GEC.device).view(1, E, 1).expand(G, E, C)
         expert_A = expert_GEC.reshape(-1)
+        counts_E = torch.full((E,), G * C, dtype=torch.long, device=tok_GEC.device)
         return Routing(
-            token_A=tok_GEC.reshape(-1), expert_A=expert_A, gate_A=gates_GEC.reshape(-1),
-            slot_A=None, slots_per_token=0, num_tokens=G * S,
-            routed_E=torch.bincount(expert_A, minlength=E),
+            expert_A=expert_A, gate_A=gates_GEC.reshape(-1), fan_in_tokens_A=tok_GEC.reshape(-1),
+            slots_per_token=0, num_tokens=G * S,
+            routed_E=counts_E, kept_E=counts_E,
             z_loss=z_loss, entropy=_entropy(balance_probs(scores_GSE, c.score_func)),
         )
 
@@ -160,7 +172,7 @@ class Router(nn.Module):
         `load_E` defaults to the counts accumulated since the last call (pass an all-reduced
         copy under data parallelism so every rank moves the bias identically).
         """
-        load_E = self.pending_load if load_E is None else load_E.to(self.pending_load)
+        load_E = (self.pending_load if load_E is None else load_E).to(self.selection_bias.dtype)
         if load_E.sum() > 0:
             self.selection_bias += rate * torch.sign(load_E.mean() - load_E)
         self.pending_load.zero_()
@@ -177,8 +189,7 @@ def forced_balanced_ids(T: int, K: int, E: int, device) -> torch.Tensor:
 
 def _entropy(probs_GSE: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        p = probs_GSE.float()
-        return -(p * torch.log(p.clamp_min(1e-20))).sum(-1).mean()
+        return torch.special.entr(probs_GSE.float()).sum(-1).mean()
 
 
 def replayed_ids(ids, T: int, K: int, E: int, device) -> torch.Tensor:

@@ -88,8 +88,13 @@ def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
 
 
 def gates_for(scores_TE: torch.Tensor, ids_TK: torch.Tensor, normalize: bool,
-              scaling: float = 1.0) -> torch.Tensor:
-    """gates_TK = scores of the chosen experts (unbiased), renormalised if asked, scaled."""
+              scaling: float = 1.0, logits_TE=None) -> torch.Tensor:
+    """gates_TK = scores of the chosen experts (unbiased), renormalised if asked, scaled.
+    logits_TE (softmax scores only): renormalised softmax scores are the softmax of the chosen
+    logits, computed so (two ops and their two backward ops instead of eleven)."""
+    if normalize and logits_TE is not None:
+        gates_TK = torch.softmax(logits_TE.gather(-1, ids_TK).to(scores_TE.dtype), dim=-1)
+        return gates_TK * scaling if scaling != 1.0 else gates_TK
     gates_TK = scores_TE.gather(-1, ids_TK)
     if normalize:
         gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True)

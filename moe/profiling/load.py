@@ -68,8 +68,9 @@ class _LayerTally:
 
     def add(self, routing, ids_T) -> None:
         expert_A = routing.expert_A.detach().cpu()
+        kept_A = expert_A < self.num_experts  # dropped assignments carry expert id E
         self.routed_E += routing.routed_E.detach().cpu()
-        self.kept_E += torch.bincount(expert_A, minlength=self.num_experts)
+        self.kept_E += routing.kept_E.detach().cpu()
         self.tokens += routing.num_tokens
         self.entropy_sum += float(routing.entropy) * routing.num_tokens
         if self.tokens_by_nodes is not None and routing.ids_GSK is not None:
@@ -77,7 +78,7 @@ class _LayerTally:
                                                     self.num_experts, self.expert_nodes)
         if ids_T is not None and ids_T.numel() == routing.num_tokens:
             token_ids_A = ids_T.reshape(-1).cpu()[routing.token_A.detach().cpu()]
-            self.pairs.append(torch.stack([expert_A, token_ids_A], dim=1))
+            self.pairs.append(torch.stack([expert_A, token_ids_A], dim=1)[kept_A])
         else:
             self.pairs.append(None)   # e.g. a chunked FFN: token rows cannot be matched to ids
 

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moe import MoELayer
+from moe.experts import ExpertBank
 
 from ..dtensors import local
 
@@ -56,6 +57,9 @@ def apply_fsdp(model, meshes, blocks, roots=None, mp_policy=None, comm_label=Non
                 _divide_by(m, on, plan.replicas)
     for block in blocks:
         fully_shard(block, mesh=dp, mp_policy=mp_policy)
+    for bank in model.modules():  # weights gathered per forward: cast after each gather
+        if isinstance(bank, ExpertBank):
+            bank.set_cast_cache(False)
     for root in roots or [model]:
         fully_shard(root, mesh=dp, mp_policy=mp_policy)
     if plan.zero_prefetch:

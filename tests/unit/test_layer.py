@@ -85,7 +85,9 @@ def test_dropped_assignments_are_the_specified_ones(k):
     layer = make_layer(k, cf=0.5)
     x = torch.randn(G, S, D, dtype=torch.float64)
     routing = layer.router(x, 0.5)
-    got = {(int(s), int(e)) for s, e in zip(routing.slot_A, routing.expert_A)}
+    got = {(int(s), int(e)) for s, e in zip(routing.slot_A, routing.expert_A) if e < E}
+    dropped_A = routing.expert_A == E
+    assert dropped_A.any() and (routing.gate_A[dropped_A] == 0).all()  # gate 0 where dropped
     _, _, kept, _ = reference_moe(layer, x)
     want = {((g * S + s) * k + kk, e) for g, s, kk, e, _ in kept}
     assert got == want

@@ -59,9 +59,10 @@ def test_replay_under_capacity_drops_as_for_chosen_experts():
     ids = torch.zeros(2, 8, 2, dtype=torch.long)      # every token to experts 0 and 1
     ids[..., 1] = 1
     routing = layer.router(x, 0.5, ids)
-    kept = torch.bincount(routing.expert_A, minlength=8)
+    kept = torch.bincount(routing.expert_A, minlength=9)[:8]  # id 8: dropped
     cap = expert_capacity(0.5, 8, 2, 8)
     assert kept[0] == kept[1] == 2 * cap and kept[2:].sum() == 0  # 2 groups, capacity each
+    assert torch.equal(routing.kept_E, kept)
 
 
 @pytest.mark.parametrize("ids, match", [

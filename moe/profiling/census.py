@@ -1,0 +1,140 @@
+"""Op census: what one forward+backward asks of the device, counted on any device.
+
+A TorchDispatchMode sees every aten op a region runs (autograd's backward included). From
+them it counts what decides speed on a GPU, where the host issues kernels ahead of the device:
+  ops        aten ops that launch work (views and metadata ops are free and not counted)
+  syncs      ops whose result the host must read, so the host waits for the device:
+             `_local_scalar_dense` (`.item()`, `int(t)`), `nonzero`, `bincount`, `unique`,
+             `masked_select`, indexing with a boolean mask, `repeat_interleave` without
+             `output_size`, copies to the CPU from another device, and `Tensor.tolist()` /
+             `Tensor.numpy()` (which read memory without dispatching an op: the census
+             wraps them while it runs)
+  bytes      bytes read and written by the non-GEMM ops (every tensor argument and result)
+A GEMM (mm, bmm, addmm, grouped mm, ...) is the work itself: counted as an op, not in bytes.
+Use: `with OpCensus() as c: loss = f(); loss.backward()`, then `c.summary(ref_bytes)`.
+"""
+import collections
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["OpCensus", "GEMM_OPS", "SYNC_OPS"]
+
+aten = torch.ops.aten
+GEMM_OPS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "_grouped_mm", "_scaled_mm",
+            "_scaled_grouped_mm", "matmul", "linear", "addmv", "mv", "dot"}
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "bincount", "_unique", "_unique2",
+            "unique_dim", "unique_consecutive", "masked_select"}
+# ops that move no data: views, metadata, and allocations of uninitialized memory
+FREE_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t",
+            "squeeze", "unsqueeze", "select", "slice", "alias", "as_strided", "detach",
+            "split", "split_with_sizes", "unbind", "chunk", "narrow", "diagonal", "empty",
+            "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+            "_reshape_alias", "view_as", "unflatten", "flatten", "sym_size", "sym_stride",
+            "sym_numel", "sym_storage_offset", "is_same_size", "_to_copy_noop",
+            "record_stream", "set_", "resize_", "_record_function_enter_new",
+            "_record_function_exit", "promote_types"}
+
+
+def _name(func) -> str:
+    return func.overloadpacket.__name__
+
+
+def _is_sync(name: str, args, kwargs) -> bool:
+    if name in SYNC_OPS:
+        return True
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None and not (len(args) > 2 and args[2] is not None)
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        idx = args[1] if len(args) > 1 else ()
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx or ())
+    if name in ("_to_copy", "copy_"):
+        return _to_host(name, args, kwargs)
+    return False
+
+
+def _to_host(name: str, args, kwargs) -> bool:
+    if name == "_to_copy":
+        dev = kwargs.get("device")
+        return dev is not None and torch.device(dev).type == "cpu" and args[0].device.type != "cpu"
+    dst, src = args[0], args[1]
+    return isinstance(src, torch.Tensor) and dst.device.type == "cpu" and src.device.type != "cpu"
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class OpCensus(TorchDispatchMode):
+    """Counts ops, syncs and non-GEMM bytes of what runs inside it (see the module doc).
+    `by_op` (name -> count), `sync_ops` (names in order), `bytes_by_op`."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op = collections.Counter()
+        self.bytes_by_op = collections.Counter()
+        self.sync_ops = []
+        self._patches = contextlib.ExitStack()
+
+    @property
+    def ops(self) -> int:
+        return sum(self.by_op.values())
+
+    @property
+    def syncs(self) -> int:
+        return len(self.sync_ops)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _name(func)
+        if name in FREE_OPS:
+            return out
+        self.by_op[name] += 1
+        if _is_sync(name, args, kwargs):
+            self.sync_ops.append(name)
+        if name not in GEMM_OPS:
+            flat_in, _ = tree_flatten((args, kwargs))
+            flat_out, _ = tree_flatten(out)
+            self.bytes_by_op[name] += _bytes(flat_in) + _bytes(flat_out)
+        return out
+
+    def __enter__(self):
+        for attr in ("tolist", "numpy"):
+            self._patches.enter_context(_host_read_hook(self, attr))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.close()
+
+    def summary(self, ref_bytes: int) -> dict:
+        """The census as a dict: ops, syncs (and which), bytes as a multiple of ref_bytes."""
+        return {"ops": self.ops, "syncs": self.syncs, "sync_ops": list(self.sync_ops),
+                "bytes_x": round(self.bytes / ref_bytes, 1),
+                "top_bytes": [(n, round(b / ref_bytes, 1))
+                              for n, b in self.bytes_by_op.most_common(40)]}
+
+
+@contextlib.contextmanager
+def _host_read_hook(census: OpCensus, attr: str):
+    """Tensor.<attr> counted as a sync while the census runs (it reads device memory on the
+    host without dispatching an op)."""
+    original = getattr(torch.Tensor, attr)
+
+    def wrapped(self, *a, **k):
+        census.sync_ops.append(attr)
+        return original(self, *a, **k)
+    setattr(torch.Tensor, attr, wrapped)
+    try:
+        yield
+    finally:
+        setattr(torch.Tensor, attr, original)
