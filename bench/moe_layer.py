@@ -14,6 +14,11 @@ median of several timed repetitions after warm-up, plus its ratio to the floor:
   hf         transformers' MixtralSparseMoeBlock (swiglu), built from a small config
   fairscale  fairscale MOELayer + Top2Gate (k=2, fp32 only; world-1 process group)
 
+Each moekit row is followed by its op census (moe/profiling/census.py: aten ops, host syncs and
+non-GEMM bytes of one forward+backward, as a multiple of the input's bytes). The "fine"
+section runs the fine-grained shape D=2048, E=64, k=8, F=768, T=16384 (Qwen3-30B-A3B's
+experts; T=2048 on a CPU), swiglu, each dtype.
+
 Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, ~15-30 min on 2 cores)
       python bench/moe_layer.py --quick    (smoke run on a toy size, seconds)
 Timings are wall-clock on a shared CPU: read ratios measured in the same run, not absolutes.
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe import MoELayer  # noqa: E402
+from moe.profiling.census import OpCensus  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -179,7 +185,21 @@ def run_config(T, D, F_, E, K, act, dtype_name, peers, reps, warmup):
     for n in names:
         print(f"{label:34s} {n:10s} {med[n] * 1e3:9.1f} ms  {med[n] / med['floor']:6.2f}x floor",
               flush=True)
+    print(f"{label:34s} census     {census_line(T, D, F_, E, K, act, dtype)}", flush=True)
     return med
+
+
+def census_line(T, D, F_, E, K, act, dtype) -> str:
+    """The op census of one forward+backward of the moekit row's layer (after a warm-up)."""
+    mod, x = ours_case(T, D, F_, E, K, act, dtype, device())
+    with torch.no_grad():
+        step = fwd_bwd_step(mod, x, torch.randn_like(mod(x)))
+    step()
+    with OpCensus() as census:
+        step()
+    got = census.summary(x.numel() * x.element_size())
+    return (f"{got['ops']} ops, {got['syncs']} host syncs {got['sync_ops'] or ''}, "
+            f"{got['bytes_x']}x the input's bytes outside GEMMs")
 
 
 def sweep_steps(T, D, F_, E, K):
@@ -234,7 +254,7 @@ def main(argv=None):
     ap.add_argument("--sweep-tokens", type=int, default=None, help="T of the E sweep (default: T)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of dtypes of the main rows")
     ap.add_argument("--ks", default="2,1", help="comma list of top-k values of the main rows")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: main,sweep,peers")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: main,fine,sweep,peers")
     args = ap.parse_args(argv)
     q = args.quick
     T = args.tokens or (256 if q else 8192)
@@ -256,6 +276,12 @@ def main(argv=None):
                 run_config(T, D, F_, 16, K, "gelu", dtype_name, peers, reps, warmup)
             if peers_on:  # Mixtral is swiglu: compare it against a swiglu floor and layer
                 run_config(T, D, F_, 16, 2, "swiglu", dtype_name, ["hf"], reps, warmup)
+    if "fine" not in skip:  # fine-grained experts: Qwen3-30B-A3B's layer shape
+        fine_T = 256 if q else (16384 if device().type == "cuda" else 2048)
+        fD, fF = (64, 32) if q else (2048, 768)
+        for dtype_name in args.dtypes.split(","):
+            run_config(fine_T, fD, fF, 64 if not q else 16, 8, "swiglu", dtype_name,
+                       ["hf"] if peers_on else [], reps, warmup)
     if "sweep" not in skip:
         sweep_T = args.sweep_tokens or T
         run_sweep(sweep_T, D, F_, (4, 8, 16) if q else (8, 16, 32, 64, 128, 256), reps, warmup)

@@ -121,7 +121,7 @@ class OpCensus(TorchDispatchMode):
         return {"ops": self.ops, "syncs": self.syncs, "sync_ops": list(self.sync_ops),
                 "bytes_x": round(self.bytes / ref_bytes, 1),
                 "top_bytes": [(n, round(b / ref_bytes, 1))
-                              for n, b in self.bytes_by_op.most_common(40)]}
+                              for n, b in self.bytes_by_op.most_common(8)]}
 
 
 @contextlib.contextmanager

@@ -89,3 +89,24 @@ def test_cpu_peak_counter_agrees_with_the_cuda_allocator():
     allocator = torch.cuda.max_memory_allocated()
     counted = before + counter.peak
     assert abs(counted - allocator) <= 0.10 * allocator, (counted, allocator)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=1.25), dict(router="expert_choice"),
+                                dict(score_func="sigmoid")],
+                         ids=["dropless", "capacity", "expert_choice", "sigmoid"])
+def test_one_process_layer_never_waits_for_the_gpu(kw):
+    """bf16 grouped_mm layer forward+backward under torch.cuda.set_sync_debug_mode("error"):
+    any host sync (an .item(), a nonzero, a copy to the host) raises."""
+    kw = dict(kw)
+    cf = kw.pop("capacity_factor", None)
+    layer = MoELayer(256, 512, 16, 2, cf, "swiglu", experts_impl="grouped_mm", **kw).to(
+        device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # warm: the fused activation compiles on its first call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).backward(torch.ones_like(x))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()
