@@ -1,0 +1,31 @@
+"""The one-process dropless layer captures as one graph (torch.compile fullgraph=True, so any
+graph break raises) and is not recompiled for new routings: three batches with different
+routings, one graph. Dynamo's capture is what breaks on host syncs; the eager backend keeps
+the test fast (inductor's code generation does not add or remove breaks)."""
+import torch
+from torch._dynamo.utils import counters
+
+from moe import MoELayer
+
+
+def test_dropless_layer_compiles_fullgraph_without_recompiles():
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    layer = MoELayer(64, 128, 8, 2, None, "swiglu", experts_impl="grouped_mm").bfloat16()
+    ref = MoELayer(64, 128, 8, 2, None, "swiglu", experts_impl="grouped_mm").bfloat16()
+    ref.load_state_dict(layer.state_dict())
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    routings = []
+    for _ in range(3):
+        x = torch.randn(4, 32, 64, dtype=torch.bfloat16)
+        xc, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y = compiled(xc)
+        y.sum().backward()
+        ref(xr).sum().backward()
+        torch.testing.assert_close(y, ref(xr.detach()), rtol=0, atol=0)
+        torch.testing.assert_close(xc.grad, xr.grad, rtol=0, atol=0)
+        routings.append(layer.last_stats.kept_E.clone())
+    assert not torch.equal(routings[0], routings[1])  # the routings did change
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
