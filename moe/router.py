@@ -2,12 +2,10 @@
 
 Shapes: T tokens, D model dim, E experts, K top-k, G routing groups, S tokens per group,
 C expert capacity per group, A assignments.
-Scores are fp32 for fp32/bf16/fp16 inputs (fp64 inputs stay fp64, so a float64 reference
-run is exact), whatever the parameter dtype. A bf16/fp16 input is not copied to fp32: the
-router weight is cast to the input's dtype (an [E, D] copy), the GEMM accumulates in fp32 and
-its [T, E] logits are widened (as HF Mixtral and Megatron-Core's default router do).
-`logits_dtype`/`score_dtype` pin the dtypes (logits_dtype="float32": the input is widened and
-the GEMM runs in fp32, to reproduce checkpoints whose routers compute in fp32).
+Logits and scores are fp32 for fp32/bf16/fp16 inputs (fp64 inputs stay fp64, so a float64
+reference run is exact), whatever the parameter dtype, unless `logits_dtype`/`score_dtype`
+pin them. A bf16 input is widened for the router GEMM: bf16-rounded logits flip with the
+GEMM's row blocking, so layouts that split the tokens differently (cp) would route apart.
 Routing has static shapes and never waits for the device: counts are scatters, capacity a
 sort and a binary search (moe/capacity.py).
 The scoring and selection steps themselves are pure functions in moe/scoring.py.
@@ -63,12 +61,11 @@ class Router(nn.Module):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         c = self.config
         dtype = c.logits_dtype or torch.promote_types(x_TD.dtype, torch.float32)
-        gemm_dtype = dtype if c.logits_dtype is not None else x_TD.dtype  # low precision: no x copy
-        x_TD = x_TD.to(gemm_dtype)
+        x32_TD = x_TD.to(dtype)
         if self.training and c.jitter > 0:
-            noise = torch.empty_like(x_TD).uniform_(1.0 - c.jitter, 1.0 + c.jitter)
-            x_TD = x_TD * noise
-        logits_TE = (x_TD @ self.weight.to(gemm_dtype).t()).to(dtype)
+            noise = torch.empty_like(x32_TD).uniform_(1.0 - c.jitter, 1.0 + c.jitter)
+            x32_TD = x32_TD * noise
+        logits_TE = x32_TD @ self.weight.to(dtype).t()
         return logits_TE if self.bias is None else logits_TE + self.bias.to(dtype)
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
