@@ -87,19 +87,31 @@ class _GatherRows(torch.autograd.Function):
         return F.embedding_bag(meta.row_A.view(T, meta.slots_per_token), g_ND, mode="sum"), None
 
 
-class _PermuteRows(torch.autograd.Function):
-    """out = y[index]; index a permutation whose inverse `inverse` is known: backward gathers."""
+class _WeightedBags(torch.autograd.Function):
+    """out[t] = sum_k gate_A[t*K+k] * y_ND[row_A[t*K+k]]: one embedding_bag forward (a fixed
+    summation order per token, whatever the batch or thread count: layouts that split the
+    tokens agree bit for bit). Backward by gathers with the known rows, no sort: each row's
+    gradient is its gate times its token's output gradient, each gate's the dot product of its
+    row with that gradient (a batched matmul)."""
 
     @staticmethod
-    def forward(ctx, y, index, inverse):
-        ctx.save_for_backward(inverse)
-        return y.index_select(0, index)
+    def forward(ctx, y_ND, gate_A, meta):
+        T, K = meta.num_tokens, meta.slots_per_token
+        ctx.meta, ctx.gate_dtype = meta, gate_A.dtype
+        gate_A = gate_A.to(y_ND.dtype)
+        ctx.save_for_backward(y_ND, gate_A)
+        return F.embedding_bag(meta.row_A.view(T, K), y_ND, mode="sum",
+                               per_sample_weights=gate_A.view(T, K))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        (inverse,) = ctx.saved_tensors
-        return g.index_select(0, inverse), None, None
+    def backward(ctx, g_TD):
+        y_ND, gate_A = ctx.saved_tensors
+        meta = ctx.meta
+        g_ND = g_TD.index_select(0, meta.token_N)
+        dy_ND = g_ND * gate_A.index_select(0, meta.slot_N).unsqueeze(-1)
+        dgate_N = torch.bmm(y_ND.unsqueeze(1), g_ND.unsqueeze(2)).view(-1)
+        return dy_ND, dgate_N.index_select(0, meta.row_A).to(ctx.gate_dtype), None
 
 
 def gather_sorted(x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
@@ -110,9 +122,9 @@ def gather_sorted(x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
 def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch.Tensor:
     """out[t] = sum over token t's kept rows of gate * y_row.
 
-    Token choice: the rows are gathered into slot order [T, K, D] (backward: the gather by the
-    forward order) and one batched matmul [T, 1, K] x [T, K, D] weighs and sums them; dropped
-    slots have gate 0 and a zero row. y may have fewer rows than slots (an exchange returns
+    Token choice: one weighted embedding_bag over each token's K rows (their places are known,
+    no sort), with a gather-based backward (_WeightedBags); dropped slots have gate 0 and a
+    zero row. y may have fewer rows than slots (an exchange returns
     only the kept ones, which come first): zero rows stand in for the rest. Rows that fan in
     (expert choice, the hierarchical proxies): one index_add of gate * y. The gates are cast
     to y's dtype; no fp32 copy of y is made.
@@ -121,12 +133,10 @@ def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch
     if meta.row_A is None:
         w_ND = y_ND * meta.gate_N.to(y_ND.dtype).unsqueeze(-1)
         return y_ND.new_zeros(T, D).index_add_(0, meta.token_N, w_ND).to(out_dtype)
-    A, K = meta.row_A.numel(), meta.slots_per_token
+    A = meta.row_A.numel()
     if y_ND.shape[0] < A:
         y_ND = torch.cat([y_ND, y_ND.new_zeros(A - y_ND.shape[0], D)])
-    y_TKD = _PermuteRows.apply(y_ND, meta.row_A, meta.slot_N).view(T, K, D)
-    gate_T1K = meta.gate_A.to(y_ND.dtype).view(T, 1, K)
-    return torch.bmm(gate_T1K, y_TKD).view(T, D).to(out_dtype)
+    return _WeightedBags.apply(y_ND, meta.gate_A, meta).to(out_dtype)
 
 
 class LocalDispatcher:
