@@ -33,6 +33,7 @@ class DispatchMeta:
     row_A: Optional[torch.Tensor] = None   # long [A = T*K]: the row of slot t*K+k (token choice)
     gate_A: Optional[torch.Tensor] = None  # fp32 [A]: the gates in slot order (token choice)
     padded: bool = False            # rows past sum(counts_E) are dropped assignments
+    bag_T: Optional[torch.Tensor] = None  # long [T]: t*K, where token t's K slots start
 
     @property
     def gate_N(self) -> torch.Tensor:
@@ -65,8 +66,9 @@ def sorted_meta(routing: Routing, order_A: torch.Tensor, counts_E) -> DispatchMe
     K = routing.slots_per_token
     row_A = torch.empty_like(order_A).scatter_(
         0, order_A, torch.arange(order_A.numel(), device=order_A.device))
+    bag_T = torch.arange(0, order_A.numel(), K, device=order_A.device)
     return DispatchMeta(torch.div(order_A, K, rounding_mode="floor"), None, order_A, K,
-                        routing.num_tokens, counts_E, row_A, routing.gate_A, routing.dropped)
+                        routing.num_tokens, counts_E, row_A, routing.gate_A, routing.dropped, bag_T)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -84,7 +86,7 @@ class _GatherRows(torch.autograd.Function):
         meta, T = ctx.meta, ctx.T
         if meta.row_A is None or g_ND.shape[0] != meta.row_A.numel():
             return g_ND.new_zeros(T, g_ND.shape[-1]).index_add_(0, meta.token_N, g_ND), None
-        return F.embedding_bag(meta.row_A.view(T, meta.slots_per_token), g_ND, mode="sum"), None
+        return F.embedding_bag(meta.row_A, g_ND, meta.bag_T, mode="sum"), None
 
 
 class _WeightedBags(torch.autograd.Function):
@@ -96,12 +98,10 @@ class _WeightedBags(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_ND, gate_A, meta):
-        T, K = meta.num_tokens, meta.slots_per_token
         ctx.meta, ctx.gate_dtype = meta, gate_A.dtype
         gate_A = gate_A.to(y_ND.dtype)
         ctx.save_for_backward(y_ND, gate_A)
-        return F.embedding_bag(meta.row_A.view(T, K), y_ND, mode="sum",
-                               per_sample_weights=gate_A.view(T, K))
+        return F.embedding_bag(meta.row_A, y_ND, meta.bag_T, mode="sum", per_sample_weights=gate_A)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -112,6 +112,26 @@ class _WeightedBags(torch.autograd.Function):
         dy_ND = g_ND * gate_A.index_select(0, meta.slot_N).unsqueeze(-1)
         dgate_N = torch.bmm(y_ND.unsqueeze(1), g_ND.unsqueeze(2)).view(-1)
         return dy_ND, dgate_N.index_select(0, meta.row_A).to(ctx.gate_dtype), None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """out = x[index], index a permutation whose inverse is known: backward gathers by it."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return g.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[index] for a permutation `index` with inverse `inverse` (no sort-based backward)."""
+    return _PermuteRows.apply(x, index, inverse)
 
 
 def gather_sorted(x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:

@@ -14,6 +14,12 @@ re-sorted by destination slot and exactly the routed rows are exchanged (no padd
 Received rows arrive ordered (source rank, slot); they are permuted to (slot, source rank)
 so each slot sees one contiguous slice, and permuted back before the return exchange.
 
+The host waits for the device once per layer forward: the [P, E] count table, copied to the
+host after its exchange (the split sizes must be known there). Everything the host derives
+from it (placement, routes, splits) is numpy arithmetic (moe/placement.py); the permutations
+are computed on the device from a small table copied there; backward reuses the forward's
+splits and permutes by gathers with the inverse known.
+
 Replica weights are not state: `expert_weights` fetches them from their owners in every
 forward through the differentiable all-to-all, so the backward of that exchange sends each
 replica's weight gradient back to its owner, where the gather's backward adds it to the
@@ -23,12 +29,13 @@ primitive moe/ owns).
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .all_to_all import all_to_all, exchange_counts
-from .dispatcher import (DispatchMeta, LocalDispatcher, gather_sorted, sort_by_expert, sorted_meta,
-                         weighted_combine)
+from .dispatcher import (DispatchMeta, LocalDispatcher, gather_sorted, permute_rows, sort_by_expert,
+                         sorted_meta, weighted_combine)
 from .nodes import one_node
 from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
@@ -41,7 +48,7 @@ class SendPlan:
     x_AD: torch.Tensor         # this rank's kept rows in send order (destination, slot)
     local: DispatchMeta        # their tokens, gates and slots, in the same order (then the
                                # dropped assignments, which are not sent)
-    table_PPW: torch.Tensor    # long [P, P, W]: rows source -> destination slot (all ranks')
+    table_PPW: np.ndarray      # int64 [P, P, W] on the host: rows source -> destination slot
     placement: Placement       # the same on every rank of the group
 
 
@@ -64,6 +71,7 @@ class EPDispatchMeta:
     counts_L: tuple            # rows per local slot after the exchange (owned, then replicas)
     placement: Placement       # the same on every rank of the group
     hops: object = None        # moe/hierarchical.Hops under node-aware dispatch, else None
+    perm_N: torch.Tensor = None  # long [N]: unperm_N's inverse (the dispatch's permutation)
 
     @property
     def rank_rows(self) -> torch.Tensor:
@@ -79,17 +87,18 @@ class EPDispatchMeta:
         return torch.tensor(self.placement.owner_rows, dtype=torch.long)
 
 
-def source_to_expert_order(recv_PL: torch.Tensor) -> torch.Tensor:
+def source_to_expert_order(recv_PL: torch.Tensor, N: int = None) -> torch.Tensor:
     """Permutation turning rows laid out (source p, expert l) into (expert l, source p).
 
     recv_PL[p, l] rows came from rank p for local expert l. Returns long [N] with
-    out[i] = index in the received buffer of the i-th row in (l, p) order.
+    out[i] = index in the received buffer of the i-th row in (l, p) order. N: the total,
+    when the host knows it (no read of recv_PL's sum then).
     """
     P, L = recv_PL.shape
     flat = recv_PL.reshape(-1)
     start_PL = (torch.cumsum(flat, 0) - flat).reshape(P, L)
     cnt_LP, start_LP = recv_PL.t().reshape(-1), start_PL.t().reshape(-1)
-    N = int(flat.sum())
+    N = int(flat.sum()) if N is None else N
     out_start_LP = torch.cumsum(cnt_LP, 0) - cnt_LP
     shift = torch.repeat_interleave(start_LP - out_start_LP, cnt_LP, output_size=N)
     return torch.arange(N, device=recv_PL.device) + shift
@@ -113,30 +122,32 @@ class ExpertParallelDispatcher:
         P, r = self.world, self.rank
         order_A, counts_E = sort_by_expert(routing, self.num_experts)
         mine_PE = counts_E.to(x_TD.device).expand(P, -1)
-        counts_PE = exchange_counts(mine_PE, self.group).tolist()  # row p: rank p's
-        placement = plan_placement([sum(c) for c in zip(*counts_PE)], P, self.replica_slots)
+        counts_PE = exchange_counts(mine_PE, self.group).cpu().numpy()  # the host's one wait
+        placement = plan_placement(counts_PE.sum(0), P, self.replica_slots)
         routes = route_rows(placement, counts_PE)
-        kept = sum(counts_PE[r])
+        kept = int(counts_PE[r].sum())
         if self.replica_slots:  # rows of a replicated expert may go to several ranks
-            runs = routes.runs[r]
-            g_A = torch.repeat_interleave(torch.tensor([g for g, _ in runs], dtype=torch.long),
-                                          torch.tensor([n for _, n in runs], dtype=torch.long))
-            first = order_A[:kept][torch.sort(g_A.to(order_A.device), stable=True).indices]
+            g, n = zip(*routes.runs_of(r)) if kept else ((), ())
+            g_A = torch.as_tensor(np.repeat(np.asarray(g, dtype=np.int64), n), device=order_A.device)
+            first = order_A[:kept][torch.sort(g_A, stable=True).indices]
             order_A = torch.cat([first, order_A[kept:]])
         local = sorted_meta(routing, order_A, counts_E)
         x_AD = gather_sorted(x_TD, local)
-        return SendPlan(x_AD[:kept] if routing.dropped else x_AD, local, routes.table_PPW, placement)
+        table_PPW = routes.table.reshape(P, P, -1)
+        return SendPlan(x_AD[:kept] if routing.dropped else x_AD, local, table_PPW, placement)
 
-    def exchange_plan(self, table_PPW: torch.Tensor, placement: Placement) -> "Exchange":
+    def exchange_plan(self, table_PPW, placement: Placement, device=None) -> "Exchange":
         """Splits, permutations and slot counts of one exchange whose rows per (source,
-        destination, slot) are `table_PPW` (the whole dispatch, or one chunk of it)."""
+        destination, slot) are `table_PPW` (int64 [P, P, W] on the host: the whole dispatch,
+        or one chunk of it); the permutations are made on `device`."""
         r = self.rank
+        table_PPW = np.asarray(table_PPW)
         send_splits = table_PPW[r].sum(1).tolist()
         recv_PW = table_PPW[:, r, :]
         recv_splits = recv_PW.sum(1).tolist()
-        perm_N = source_to_expert_order(recv_PW)
-        unperm_N = torch.empty_like(perm_N)
-        unperm_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device)
+        N = sum(recv_splits)
+        perm_N = source_to_expert_order(torch.tensor(recv_PW.tolist(), device=device), N)
+        unperm_N = torch.empty_like(perm_N).scatter_(0, perm_N, torch.arange(N, device=perm_N.device))
         slots = self.num_local + len(placement.replicas[r])
         return Exchange(tuple(send_splits), tuple(recv_splits), perm_N, unperm_N,
                         tuple(recv_PW.sum(0).tolist()[:slots]))
@@ -147,12 +158,11 @@ class ExpertParallelDispatcher:
         wire (moe/wire.py), None: as they are. waiter: moe/all_to_all.py's (the rows'
         exchanges both ways are waited for through it), None: blocking."""
         sp = self.plan(x_TD, routing)
-        ex = self.exchange_plan(sp.table_PPW, sp.placement)
+        ex = self.exchange_plan(sp.table_PPW, sp.placement, x_TD.device)
         x_ND = all_to_all(sp.x_AD, list(ex.recv_splits), list(ex.send_splits), self.group, wire, waiter)
-        perm_N = ex.perm_N.to(x_ND.device)
-        meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N.to(x_ND.device),
-                              ex.counts_L, sp.placement)
-        return x_ND[perm_N], list(ex.counts_L), meta
+        meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N,
+                              ex.counts_L, sp.placement, perm_N=ex.perm_N)
+        return permute_rows(x_ND, ex.perm_N, ex.unperm_N), list(ex.counts_L), meta
 
     def expert_weights(self, params: tuple, meta: EPDispatchMeta) -> tuple:
         """Each of `params` (w1, w2, ... with E_local rows, None allowed) with this rank's
@@ -181,7 +191,7 @@ class ExpertParallelDispatcher:
 
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
                 waiter=None) -> torch.Tensor:
-        y_src_ND = y_ND[meta.unperm_N]
+        y_src_ND = permute_rows(y_ND, meta.unperm_N, meta.perm_N)
         y_AD = all_to_all(y_src_ND, list(meta.send_splits), list(meta.recv_splits), self.group,
                           wire, waiter)
         return weighted_combine(y_AD, meta.local, out_dtype)

@@ -209,7 +209,11 @@ class ExpertBank(nn.Module):
         if not _plain(x_ND, params, same_dtype=not autocast):
             return "ops"
         dt = torch.get_autocast_dtype(dev) if autocast else x_ND.dtype
-        return resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
+        impl = resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
+        if impl == "grouped_mm" and self.experts_impl == "auto" and dt != torch.bfloat16 \
+                and torch.compiler.is_compiling():
+            return "loop"  # torch.compile traces grouped_mm in bf16 only
+        return impl
 
     def weights(self) -> tuple:
         """(w1, w2, w3, b1, b2, b3), None where absent: what forward's `params` replaces."""
@@ -256,8 +260,9 @@ class ExpertBank(nn.Module):
         is made once and reused while the parameter is unchanged: the optimizer's in-place
         step bumps its version, a new storage changes its address."""
         own = {id(p) for p in self.weights() if p is not None}
+        cache = self.cast_cache and not torch.compiler.is_compiling()  # a graph casts in place
         return tuple(None if p is None else p if p.dtype == dt else
-                     _CachedCast.apply(p, self._cast_of(p, dt)) if self.cast_cache and id(p) in own
+                     _CachedCast.apply(p, self._cast_of(p, dt)) if cache and id(p) in own
                      else p.to(dt) for p in params)
 
     def _cast_of(self, p, dt):

@@ -27,11 +27,11 @@ the combine's summation order differs (a token's rows are summed per node, then 
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .all_to_all import all_to_all, exchange_counts, exchange_in, start_exchange
-from .dispatcher import DispatchMeta, weighted_combine
+from .dispatcher import DispatchMeta, gather_sorted, permute_rows, weighted_combine
 from .ep_dispatcher import EPDispatchMeta, ExpertParallelDispatcher, source_to_expert_order
 from .nodes import ExpertNodes
 from .wire import arrival_dtype, decode, encode
@@ -48,16 +48,18 @@ class Hops:
     token_U: torch.Tensor   # long [U]: the token of each row this rank sent in hop 1
 
 
-def proxy_table(table_PPW: torch.Tensor, nodes: ExpertNodes) -> torch.Tensor:
-    """long [P, P, W]: rows each proxy sends to each (destination, slot) in hop 2: the rows of
-    table_PPW[s, d, w] go through proxy(s, node of d)."""
-    P = table_PPW.shape[0]
-    node_D = torch.tensor(nodes.node_of_rank)
-    local_S = torch.arange(P) % nodes.ranks_per_node
-    proxy_SD = node_D.view(1, P) * nodes.ranks_per_node + local_S.view(P, 1)
-    dest_SD = torch.arange(P).view(1, P).expand(P, P)
-    out = torch.zeros_like(table_PPW)
-    return out.index_put_((proxy_SD, dest_SD), table_PPW, accumulate=True)
+def proxy_table(table_PPW, nodes: ExpertNodes):
+    """int64 [P, P, W]: rows each proxy sends to each (destination, slot) in hop 2: the rows of
+    table_PPW[s, d, w] go through proxy(s, node of d). Host arithmetic (numpy; a torch table
+    gives a torch table)."""
+    table = np.asarray(table_PPW)
+    P = table.shape[0]
+    node_D = np.asarray(nodes.node_of_rank)
+    proxy_SD = node_D[None, :] * nodes.ranks_per_node + (np.arange(P) % nodes.ranks_per_node)[:, None]
+    dest_SD = np.broadcast_to(np.arange(P)[None, :], (P, P))
+    out = np.zeros_like(table)
+    np.add.at(out, (proxy_SD, dest_SD), table)
+    return torch.from_numpy(out) if isinstance(table_PPW, torch.Tensor) else out
 
 
 def _hop(x, out_splits, in_splits, group, waiter):
@@ -107,35 +109,47 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         """-> (x_UD, token_U, send1, recv1, index_A, send_a, recv_a, mine, on_node): this
         rank's unique (node, token) rows in node order, each assignment's index among the rows
         sent to its node, the splits of both, the sources this rank is the proxy of and the
-        ranks of its node."""
+        ranks of its node. Static shapes on the device; the host waits once, for the unique
+        rows per node and the rows this rank receives as a proxy (one copy of both)."""
         P, r, nodes, T = self.world, self.rank, self.nodes, x_TD.shape[0]
-        node_P = torch.tensor(nodes.node_of_rank)
+        dev, n = x_TD.device, nodes.num_nodes
         rows_P = sp.table_PPW[r].sum(1)
-        node_A = torch.repeat_interleave(node_P, rows_P)
-        assign_node = torch.bincount(node_A, minlength=nodes.num_nodes)
-        node_A = node_A.to(x_TD.device)
+        node_A_host = np.repeat(np.asarray(nodes.node_of_rank, dtype=np.int64), rows_P)
+        assign_node = np.bincount(node_A_host, minlength=n)
+        node_A = torch.tensor(node_A_host.tolist(), dtype=torch.long, device=dev)
         key_A = node_A * T + sp.local.token_N[:node_A.numel()]  # the sent (kept) rows
-        key_U, inv_A = torch.unique(key_A, sorted=True, return_inverse=True)
-        per_node = torch.bincount(key_U // T, minlength=nodes.num_nodes)
+        sorted_A, order_A = torch.sort(key_A)
+        first_A = torch.ones_like(sorted_A, dtype=torch.bool)
+        first_A[1:] = sorted_A[1:] != sorted_A[:-1]
+        uid_A = torch.cumsum(first_A, 0) - 1                    # unique row of each, sorted
+        inv_A = torch.empty_like(uid_A).scatter_(0, order_A, uid_A)
+        per_node = torch.zeros(n, dtype=torch.long, device=dev).scatter_add_(
+            0, torch.div(sorted_A, T, rounding_mode="floor"), first_A.long())
+        proxies = [nodes.proxy(r, m) for m in range(n)]
+        send1_P = torch.zeros(P, dtype=torch.long, device=dev).index_add_(
+            0, torch.tensor(proxies, device=dev), per_node)
+        recv1_P = exchange_counts(send1_P.view(P, 1), self.group).view(P)
+        both = torch.cat([per_node, recv1_P]).cpu().numpy()     # the host's second wait
+        per_node_h, recv1 = both[:n], tuple(both[n:].tolist())
         start_node = torch.cumsum(per_node, 0) - per_node
         index_A = inv_A - start_node[node_A]
-        proxies = [nodes.proxy(r, m) for m in range(nodes.num_nodes)]
         send1, send_a = [0] * P, [0] * P
-        for m, (u, a) in enumerate(zip(per_node.tolist(), assign_node.tolist())):
-            send1[proxies[m]], send_a[proxies[m]] = u, a
-        recv1 = exchange_counts(torch.tensor(send1, device=x_TD.device).view(P, 1), self.group)
+        for m in range(n):
+            send1[proxies[m]], send_a[proxies[m]] = int(per_node_h[m]), int(assign_node[m])
+        U = int(per_node_h.sum())
+        token_U = torch.remainder(sorted_A[torch.argsort(~first_A, stable=True)[:U]], T)
         mine = [s for s in range(P) if nodes.proxy(s, nodes.node_of_rank[r]) == r]
         on_node = [d for d in range(P) if nodes.node_of_rank[d] == nodes.node_of_rank[r]]
         recv_a = [0] * P
         for s in mine:
-            recv_a[s] = int(sp.table_PPW[s, on_node].sum())
-        token_U = key_U % T
-        return (F.embedding(token_U, x_TD), token_U, tuple(send1),
-                tuple(recv1.view(-1).tolist()), index_A, send_a, recv_a, mine, on_node)
+            recv_a[s] = int(sp.table_PPW[s][on_node].sum())
+        x_UD = gather_sorted(x_TD, DispatchMeta(token_U, None, None, 0, T, None))
+        return x_UD, token_U, tuple(send1), recv1, index_A, send_a, recv_a, mine, on_node
 
     def dispatch(self, x_TD: torch.Tensor, routing, wire=None, waiter=None):
         """-> (x_ND, counts_L, meta): the rows of the flat dispatch, in the same order."""
         P, r, W = self.world, self.rank, self.num_local + self.replica_slots
+        dev = x_TD.device
         sp = self.plan(x_TD, routing)
         x_UD, token_U, send1, recv1, index_A, send_a, recv_a, mine, on_node = self._hop1(sp, x_TD)
         # the assignments' row indices (no gradient) and gates (differentiable) to the proxies
@@ -144,23 +158,25 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
         gate_A = sp.local.gate_N[:sp.x_AD.shape[0]]  # the sent (kept) rows
         gate_A1 = all_to_all(gate_A.view(-1, 1), recv_a, send_a, self.group, None, waiter).view(-1)
         # as a proxy: assignments arrive (source, destination, slot); hop 2 sends (destination, slot, source)
-        mask = torch.zeros(P, P, 1, dtype=torch.long)
-        mask[torch.tensor(mine).view(-1, 1), torch.tensor(on_node).view(1, -1)] = 1
+        mask = np.zeros((P, P, 1), dtype=np.int64)
+        mask[np.ix_(mine, on_node)] = 1
         recv_PX = (sp.table_PPW * mask).reshape(P, P * W)
-        order_A1 = source_to_expert_order(recv_PX).to(idx_A1.device)
-        start_S = torch.cumsum(torch.tensor(recv1), 0) - torch.tensor(recv1)
-        row_A1 = idx_A1 + torch.repeat_interleave(start_S, torch.tensor(recv_a)).to(idx_A1.device)
+        order_A1 = source_to_expert_order(torch.tensor(recv_PX.tolist(), device=dev), sum(recv_a))
+        recv1_h = np.asarray(recv1, dtype=np.int64)
+        start_A1 = np.repeat(np.cumsum(recv1_h) - recv1_h, recv_a)
+        row_A1 = idx_A1 + torch.tensor(start_A1.tolist(), dtype=torch.long, device=dev)
         hops = Hops(send1, recv1, row_A1[order_A1], gate_A1[order_A1], token_U)
-        ex = self.exchange_plan(proxy_table(sp.table_PPW, self.nodes), sp.placement)
+        ex = self.exchange_plan(proxy_table(sp.table_PPW, self.nodes), sp.placement, dev)
         x_ND = _TwoHops.apply(x_UD, hops, ex.send_splits, ex.recv_splits, self.group, wire, waiter)
-        meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N.to(x_ND.device),
-                              ex.counts_L, sp.placement, hops)
-        return x_ND[ex.perm_N.to(x_ND.device)], list(ex.counts_L), meta
+        meta = EPDispatchMeta(sp.local, ex.send_splits, ex.recv_splits, ex.unperm_N,
+                              ex.counts_L, sp.placement, hops, ex.perm_N)
+        return permute_rows(x_ND, ex.perm_N, ex.unperm_N), list(ex.counts_L), meta
 
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
                 waiter=None) -> torch.Tensor:
         hops = meta.hops
-        y_A1D = all_to_all(y_ND[meta.unperm_N], list(meta.send_splits), list(meta.recv_splits),
+        y_A1D = all_to_all(permute_rows(y_ND, meta.unperm_N, meta.perm_N), list(meta.send_splits),
+                           list(meta.recv_splits),
                            self.group, wire, waiter)
         per_row = DispatchMeta(hops.fan_A1, hops.gate_A1, None, 0, sum(hops.recv1), None)
         z_U1D = weighted_combine(y_A1D, per_row, y_A1D.dtype)

@@ -261,7 +261,8 @@ class MoELayer(nn.Module):
             losses = {}
             if routing.probs_GSE is not None:  # token choice (expert choice is balanced)
                 mask_GS = None if token_mask is None else _mask_GS(token_mask, shape, x_GSD)
-                losses["load_balance"] = self.balance(routing.probs_GSE, routing.ids_GSK, mask_GS)
+                losses["load_balance"] = self.balance(routing.probs_GSE, routing.ids_GSK, mask_GS,
+                                                      routing.routed_GE)
             losses["z_loss"] = routing.z_loss
         x_TD = x_GSD.reshape(-1, D)
         wires = wire_formats(self.dispatch_dtype, x_TD)  # (dispatch, combine)

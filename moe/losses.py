@@ -38,17 +38,21 @@ def router_z_loss(logits_GSE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_GSE, dim=-1).square().mean()
 
 
-def load_balance_loss(probs_GSE: torch.Tensor, ids_GSK: torch.Tensor) -> torch.Tensor:
+def load_balance_loss(probs_GSE: torch.Tensor, ids_GSK: torch.Tensor, counts_GE=None) -> torch.Tensor:
     """The sequence variant without mask or group: per group E * sum_e f_e * P_e, mean over
-    groups (one scatter for the counts, one dot product for the sum)."""
+    groups (one scatter for the counts, one dot product for the sum). counts_GE: the routing's
+    assignments per group and expert, when it has them (moe/routing.py routed_GE)."""
     G, S, E = probs_GSE.shape
     K = ids_GSK.shape[-1]
     with torch.no_grad():
-        group_A = ids_GSK.reshape(G, S * K)
-        if G > 1:
-            group_A = group_A + torch.arange(0, G * E, E, device=group_A.device).unsqueeze(1)
-        counts_GE = torch.zeros(G * E, device=probs_GSE.device, dtype=probs_GSE.dtype)
-        counts_GE.scatter_add_(0, group_A.reshape(-1), counts_GE.new_ones(()).expand(G * S * K))
+        if counts_GE is not None:
+            counts_GE = counts_GE.reshape(-1).to(probs_GSE.dtype)
+        else:
+            group_A = ids_GSK.reshape(G, S * K)
+            if G > 1:
+                group_A = group_A + torch.arange(0, G * E, E, device=group_A.device).unsqueeze(1)
+            counts_GE = torch.zeros(G * E, device=probs_GSE.device, dtype=probs_GSE.dtype)
+            counts_GE.scatter_add_(0, group_A.reshape(-1), counts_GE.new_ones(()).expand(G * S * K))
     mean_prob_GE = probs_GSE.mean(dim=1).reshape(-1)
     return torch.dot(counts_GE, mean_prob_GE) * (E / (S * K * G))
 
@@ -59,7 +63,8 @@ def _weights_GS(probs_GSE, mask_GS):
     return mask_GS.to(probs_GSE.dtype)
 
 
-def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None, seq_group=None) -> torch.Tensor:
+def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None, seq_group=None,
+                          counts_GE=None) -> torch.Tensor:
     """Per routing group, averaged over groups that hold at least one unmasked token.
 
     With a mask and a balance group, the average runs over the groups of all its ranks
@@ -71,7 +76,7 @@ def sequence_balance_loss(probs_GSE, ids_GSK, mask_GS=None, group=None, seq_grou
     sequence's loss, so the mean over the ranks is the one-process loss (and gradient).
     """
     if mask_GS is None and seq_group is None:
-        return load_balance_loss(probs_GSE, ids_GSK)
+        return load_balance_loss(probs_GSE, ids_GSK, counts_GE)
     total, n_valid = sequence_terms(probs_GSE, ids_GSK, mask_GS, seq_group)
     if mask_GS is None:
         return total / probs_GSE.shape[0]
@@ -158,9 +163,11 @@ class BalanceLoss(nn.Module):
     def reset_window(self) -> None:
         self.window.zero_()
 
-    def forward(self, probs_GSE, ids_GSK, mask_GS=None) -> torch.Tensor:
+    def forward(self, probs_GSE, ids_GSK, mask_GS=None, counts_GE=None) -> torch.Tensor:
+        """counts_GE: the routing's assignments per (group, expert) when known (saves a count)."""
         if self.variant == "sequence":
-            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.group, self.seq_group)
+            return sequence_balance_loss(probs_GSE, ids_GSK, mask_GS, self.group, self.seq_group,
+                                         counts_GE)
         stats, psum_E = local_terms(probs_GSE, ids_GSK, mask_GS)
         stats, world = all_reduce_stats(stats, self.group)
         f_stats = stats

@@ -20,11 +20,12 @@ the compute stream wait for the communication stream.
 """
 import contextlib
 
+import numpy as np
 import torch
 
 from .all_to_all import start_exchange_in
 from .wire import arrival_dtype
-from .dispatcher import weighted_combine
+from .dispatcher import permute_rows, weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
 __all__ = ["chunk_tables", "overlapped_experts"]
@@ -107,21 +108,20 @@ def _finish(started, out_splits, in_splits, group):
     return _Wait.apply(out, pending, tuple(out_splits), tuple(in_splits), group)
 
 
-def chunk_tables(table_PPW: torch.Tensor, degree: int) -> list:
+def chunk_tables(table_PPW, degree: int) -> list:
     """d tables summing to table_PPW: chunk c gets rows [n*c//d, n*(c+1)//d) of each block."""
     return [table_PPW * (c + 1) // degree - table_PPW * c // degree for c in range(degree)]
 
 
-def _send_rows(table_PPW: torch.Tensor, rank: int, degree: int, c: int) -> torch.Tensor:
+def _send_rows(table_PPW, rank: int, degree: int, c: int) -> torch.Tensor:
     """long [rows of chunk c]: their positions in this rank's send buffer (blocks in
-    (destination, slot) order, chunk c's piece of each)."""
-    n = table_PPW[rank].reshape(-1)
-    block_start = torch.cumsum(n, 0) - n
+    (destination, slot) order, chunk c's piece of each). Host arithmetic (numpy)."""
+    n = np.asarray(table_PPW)[rank].reshape(-1)
+    block_start = np.cumsum(n) - n
     lo, cnt = n * c // degree, n * (c + 1) // degree - n * c // degree
-    out_start = torch.cumsum(cnt, 0) - cnt
-    total = int(cnt.sum())
-    shift = torch.repeat_interleave(block_start + lo - out_start, cnt, output_size=total)
-    return torch.arange(total) + shift
+    out_start = np.cumsum(cnt) - cnt
+    rows = np.repeat(block_start + lo - out_start, cnt) + np.arange(int(cnt.sum()))
+    return torch.tensor(rows.tolist(), dtype=torch.long)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -156,7 +156,7 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
     x_AD = sp.x_AD if release is None or not sp.x_AD.requires_grad else _AfterBackward.apply(sp.x_AD, release)
     group, r = dispatcher.group, dispatcher.rank
     tables = chunk_tables(sp.table_PPW, degree)
-    plans = [dispatcher.exchange_plan(t, sp.placement) for t in tables]
+    plans = [dispatcher.exchange_plan(t, sp.placement, x_TD.device) for t in tables]
     rows = [_send_rows(sp.table_PPW, r, degree, c).to(x_TD.device) for c in range(degree)]
     total = lambda field: tuple(map(sum, zip(*(getattr(p, field) for p in plans))))  # noqa: E731
     meta = EPDispatchMeta(sp.local, total("send_splits"), total("recv_splits"), None,
@@ -183,17 +183,18 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
         ex = plans[c]
         x_ND = _finish(flying.pop(c), ex.recv_splits, ex.send_splits, group)
         perm, unperm = ex.perm_N.to(x_ND.device), ex.unperm_N.to(x_ND.device)
-        y_ND = _span(timeline, f"experts {c}", lambda: run_experts(x_ND[perm], list(ex.counts_L), extend))
-        returning.append(_start(y_ND[unperm], ex.send_splits, ex.recv_splits, group,
+        y_ND = _span(timeline, f"experts {c}",
+                     lambda: run_experts(permute_rows(x_ND, perm, unperm), list(ex.counts_L), extend))
+        returning.append(_start(permute_rows(y_ND, unperm, perm), ex.send_splits, ex.recv_splits, group,
                                 f"combine {c}", timeline, wires[1]))
     if release is not None:
         release()
     y_parts = [_finish(returning[c], plans[c].send_splits, plans[c].recv_splits, group)
                for c in range(degree)]
     order_A = torch.cat(rows)
-    inverse_A = torch.empty_like(order_A)
-    inverse_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
-    y_AD = torch.cat(y_parts)[inverse_A] if degree > 1 else y_parts[0]
+    inverse_A = torch.empty_like(order_A).scatter_(
+        0, order_A, torch.arange(order_A.numel(), device=order_A.device))
+    y_AD = permute_rows(torch.cat(y_parts), inverse_A, order_A) if degree > 1 else y_parts[0]
     return weighted_combine(y_AD, sp.local, out_dtype), meta, extra
 
 

@@ -127,7 +127,11 @@ class Router(nn.Module):
             ids_TK = forced_balanced_ids(T, K, E, scores_GSE.device)
         ids_GSK = ids_TK.reshape(G, S, K)
         expert_A, gate_A = ids_TK.reshape(-1), gates_TK.reshape(-1)
-        routed_E = count_ids(expert_A, E)
+        ids_GA = ids_GSK.reshape(G, S * K)
+        if G > 1:  # one count per (group, expert): the balance loss's f, summed for routed_E
+            ids_GA = ids_GA + torch.arange(0, G * E, E, device=ids_GA.device).unsqueeze(1)
+        routed_GE = count_ids(ids_GA, G * E).view(G, E)
+        routed_E = routed_GE.sum(0) if G > 1 else routed_GE.view(E)
         kept_E, capacity = routed_E, self._capacity(capacity_factor, S)
         if capacity is not None:  # a dropped assignment keeps its slot: expert E, gate 0
             keep_A = capacity_keep_mask(ids_GSK, E, capacity).reshape(-1)
@@ -139,6 +143,7 @@ class Router(nn.Module):
             expert_A=expert_A, gate_A=gate_A, slots_per_token=K, num_tokens=T,
             routed_E=routed_E, kept_E=kept_E, z_loss=z_loss, entropy=_entropy(probs_GSE),
             probs_GSE=probs_GSE, ids_GSK=ids_GSK, dropped=capacity is not None,
+            routed_GE=routed_GE,
         )
 
     def _expert_choice(self, scores_GSE, capacity_factor, z_loss) -> Routing:

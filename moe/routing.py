@@ -27,6 +27,7 @@ class Routing:
     ids_GSK: Optional[torch.Tensor] = None    # long: chosen experts before capacity, token choice
     dropped: bool = False       # whether any assignment can be dropped (a capacity limit)
     fan_in_tokens_A: Optional[torch.Tensor] = None  # long [A]: expert choice's token rows
+    routed_GE: Optional[torch.Tensor] = None  # long [G, E]: routed_E per routing group (token choice)
 
     @property
     def slot_A(self) -> Optional[torch.Tensor]:

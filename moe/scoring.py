@@ -77,7 +77,9 @@ def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
                    max_nodes=None) -> torch.Tensor:
     """ids_TK: the top-k experts by choice = scores + bias, inside the kept nodes (when
     max_nodes < expert_nodes) and then inside the kept groups of what is left (n_group > 1)."""
-    choice_TE = scores_TE + bias_E.to(scores_TE.dtype)
+    if torch.promote_types(scores_TE.dtype, bias_E.dtype) != scores_TE.dtype:
+        bias_E = bias_E.to(scores_TE.dtype)
+    choice_TE = scores_TE + bias_E  # a narrower bias is widened inside the add
     if max_nodes is not None and max_nodes < expert_nodes:
         keep_TE = node_keep_mask(choice_TE, expert_nodes, max_nodes, top_k)
         choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))

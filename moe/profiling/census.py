@@ -11,6 +11,11 @@ them it counts what decides speed on a GPU, where the host issues kernels ahead 
              wraps them while it runs)
   bytes      bytes read and written by the non-GEMM ops (every tensor argument and result)
 A GEMM (mm, bmm, addmm, grouped mm, ...) is the work itself: counted as an op, not in bytes.
+Host tensors: on a CPU machine every tensor is on the host, so the census tells host data from
+device data by where it came from: a tensor made from Python data (`torch.tensor(list)`) is
+host data, and so is every result of ops whose tensor arguments are all host data; all other
+tensors (inputs, parameters, results of ops on them) are device data. Reading host data is
+free; only reads of device data count as syncs.
 Use: `with OpCensus() as c: loss = f(); loss.backward()`, then `c.summary(ref_bytes)`.
 """
 import collections
@@ -19,6 +24,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["OpCensus", "GEMM_OPS", "SYNC_OPS"]
 
@@ -36,6 +42,9 @@ FREE_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose",
             "sym_numel", "sym_storage_offset", "is_same_size", "_to_copy_noop",
             "record_stream", "set_", "resize_", "_record_function_enter_new",
             "_record_function_exit", "promote_types"}
+
+
+HOST_MADE = {"lift_fresh", "lift_fresh_copy"}  # torch.tensor(python data)
 
 
 def _name(func) -> str:
@@ -76,7 +85,11 @@ class OpCensus(TorchDispatchMode):
         self.by_op = collections.Counter()
         self.bytes_by_op = collections.Counter()
         self.sync_ops = []
+        self._host = WeakIdKeyDictionary()   # tensors holding host data (see the module doc)
         self._patches = contextlib.ExitStack()
+
+    def is_host(self, t) -> bool:
+        return t in self._host
 
     @property
     def ops(self) -> int:
@@ -94,10 +107,16 @@ class OpCensus(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = _name(func)
-        if name in FREE_OPS:
+        tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        host = name in HOST_MADE or (tensors_in and all(self.is_host(t) for t in tensors_in))
+        if host:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._host[t] = True
+        if name in FREE_OPS or name in HOST_MADE:
             return out
         self.by_op[name] += 1
-        if _is_sync(name, args, kwargs):
+        if not host and _is_sync(name, args, kwargs):
             self.sync_ops.append(name)
         if name not in GEMM_OPS:
             flat_in, _ = tree_flatten((args, kwargs))
@@ -131,7 +150,8 @@ def _host_read_hook(census: OpCensus, attr: str):
     original = getattr(torch.Tensor, attr)
 
     def wrapped(self, *a, **k):
-        census.sync_ops.append(attr)
+        if not census.is_host(self):
+            census.sync_ops.append(attr)
         return original(self, *a, **k)
     setattr(torch.Tensor, attr, wrapped)
     try:

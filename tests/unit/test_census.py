@@ -14,13 +14,13 @@ from moe.profiling.census import OpCensus
 
 T, D, F, E, K = 1024, 256, 512, 16, 2
 
-# (router options) -> (ops, bytes_x) budgets; measured 65 / 66.0, 89 / 74.9, 58 / 85.6, 83 / 68.1
+# (router options) -> (ops, bytes_x) budgets; measured 61 / 65.9, 85 / 74.8, 58 / 85.6, 79 / 68.0
 # (the router widens its bf16 input to fp32: 5.7x of the bytes, kept for layout invariance)
 BUDGETS = {
-    "dropless": (dict(), 65, 66),
-    "capacity": (dict(capacity_factor=1.25), 89, 75),
+    "dropless": (dict(), 61, 66),
+    "capacity": (dict(capacity_factor=1.25), 85, 75),
     "expert_choice": (dict(router="expert_choice"), 58, 86),
-    "sigmoid": (dict(score_func="sigmoid", n_group=4, topk_group=2), 83, 68),
+    "sigmoid": (dict(score_func="sigmoid", n_group=4, topk_group=2), 79, 68),
 }
 
 
@@ -63,3 +63,7 @@ def test_census_sees_syncs_and_host_reads():
     assert census.sync_ops == ["bincount", "nonzero", "index", "_local_scalar_dense", "tolist",
                                "repeat_interleave"]
     assert census.by_op["add"] == 1 and census.bytes > 0
+    with OpCensus() as census:   # host data (made from Python values) is read for free
+        h = torch.tensor([3, 1, 2])
+        (h * 2).tolist(), int(h.sum()), torch.bincount(h), h.nonzero()
+    assert census.sync_ops == []

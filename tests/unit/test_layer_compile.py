@@ -29,3 +29,29 @@ def test_dropless_layer_compiles_fullgraph_without_recompiles():
     assert not torch.equal(routings[0], routings[1])  # the routings did change
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+def test_every_block_of_the_default_gpt_compiles_fullgraph():
+    """parallel.compile compiles each block (parallel/apply.py); under bf16 autocast with the
+    grouped GEMM experts (what experts_impl=auto takes on a GPU; the CPU's auto takes the
+    per-expert loop, which reads its counts on the host) every block captures as one graph,
+    forward and backward, for two batches."""
+    from models import blocks
+    from models.build import build_model
+    from models.config import ModelConfig, MoEConfig
+    from parallel.precision import apply_precision
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(ModelConfig(), MoEConfig(experts_impl="grouped_mm"), device="cpu")
+    apply_precision(model, "bf16")
+    stack = blocks(model)
+    for b in stack:
+        b.compile(fullgraph=True, backend="eager")
+    for seed in range(2):
+        ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(seed))
+        out = model(ids)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    assert counters["stats"]["unique_graphs"] >= len(stack)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
