@@ -158,3 +158,48 @@ def _host_read_hook(census: OpCensus, attr: str):
         yield
     finally:
         setattr(torch.Tensor, attr, original)
+
+
+def layer_census(tokens=1024, d_model=256, d_ff=512, num_experts=16, top_k=2,
+                 activation="swiglu", dtype=torch.bfloat16, **layer_kw) -> dict:
+    """The census of one forward+backward of a one-process grouped-GEMM MoELayer (after a
+    warm-up step), as OpCensus.summary gives it, relative to the input's bytes."""
+    from ..layer import MoELayer
+    torch.manual_seed(0)
+    layer = MoELayer(d_model, d_ff, num_experts, top_k, layer_kw.pop("capacity_factor", None),
+                     activation, experts_impl="grouped_mm", **layer_kw).to(dtype)
+    x = torch.randn(tokens, d_model, dtype=dtype, requires_grad=True)
+    gy = torch.randn(tokens, d_model, dtype=dtype)
+    layer(x).backward(gy)
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    with OpCensus() as census:
+        layer(x).backward(gy)
+    return census.summary(x.numel() * x.element_size())
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description="Op census of one MoE layer forward+backward "
+                                 "(one process, bf16, grouped GEMM experts)")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--d-ff", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--activation", default="swiglu")
+    ap.add_argument("--capacity-factor", type=float, default=None)
+    ap.add_argument("--router", default="token_choice", choices=("token_choice", "expert_choice"))
+    a = ap.parse_args(argv)
+    got = layer_census(a.tokens, a.d_model, a.d_ff, a.experts, a.top_k, a.activation,
+                       capacity_factor=a.capacity_factor, router=a.router)
+    print(f"T={a.tokens} D={a.d_model} F={a.d_ff} E={a.experts} k={a.top_k} {a.activation} bf16: "
+          f"{got['ops']} ops, {got['syncs']} host syncs, {got['bytes_x']}x the input's bytes "
+          f"outside GEMMs")
+    print("most bytes: " + ", ".join(f"{n} {b}x" for n, b in got["top_bytes"][:4]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,8 +9,7 @@ so a change that adds a sync, a launch-heavy op chain or a full-width copy fails
 import pytest
 import torch
 
-from moe import MoELayer
-from moe.profiling.census import OpCensus
+from moe.profiling.census import OpCensus, layer_census
 
 T, D, F, E, K = 1024, 256, 512, 16, 2
 
@@ -25,19 +24,7 @@ BUDGETS = {
 
 
 def _census(**kw):
-    torch.manual_seed(0)
-    cf = kw.pop("capacity_factor", None)
-    layer = MoELayer(D, F, E, K, cf, "swiglu", experts_impl="grouped_mm", **kw).to(torch.bfloat16)
-    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
-    gy = torch.randn(T, D, dtype=torch.bfloat16)
-    layer(x).backward(gy)  # warm: first-call work (the bank's cast, lazy inits) is not per step
-    for p in layer.parameters():
-        p.grad = None
-    x.grad = None
-    with OpCensus() as census:
-        layer(x).backward(gy)
-    assert x.grad is not None and layer.experts.w1.grad is not None
-    return census.summary(x.numel() * x.element_size())
+    return layer_census(T, D, F, E, K, "swiglu", torch.bfloat16, **kw)
 
 
 @pytest.mark.parametrize("kind", sorted(BUDGETS))
