@@ -29,6 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import BALANCE_LOSSES
+from .routing import recomputing
+
+MAX_WINDOW_SNAPSHOTS = 4096  # forwards per window whose f a recompute may ask for again
 
 __all__ = ["BalanceLoss", "BALANCE_LOSSES", "load_balance_loss", "router_z_loss"]
 
@@ -159,9 +162,23 @@ class BalanceLoss(nn.Module):
         self.seq_group = None   # ranks holding parts of the same sequences (context parallel)
         self.register_buffer("window", torch.zeros(num_experts + 1, dtype=torch.long),
                              persistent=False)
+        self.seen = []  # f of each forward since reset_window, for their recomputes
 
     def reset_window(self) -> None:
         self.window.zero_()
+        self.seen = []
+
+    def _window_f(self, stats):
+        """The window's f for this forward: the window with this forward's stats added, or,
+        when activation checkpointing recomputes a forward, the f that forward used (forwards
+        and their recomputes come in the same order, also under parallel.a2a_overlap=1f1b)."""
+        if recomputing() and self.seen:
+            return self.seen.pop(0)
+        self.window += stats.to(self.window.device)
+        f_stats = self.window.clone()
+        if torch.is_grad_enabled():
+            self.seen = (self.seen + [f_stats])[-MAX_WINDOW_SNAPSHOTS:]
+        return f_stats
 
     def forward(self, probs_GSE, ids_GSK, mask_GS=None, counts_GE=None) -> torch.Tensor:
         """counts_GE: the routing's assignments per (group, expert) when known (saves a count)."""
@@ -172,6 +189,5 @@ class BalanceLoss(nn.Module):
         stats, world = all_reduce_stats(stats, self.group)
         f_stats = stats
         if self.variant == "global_batch" and self.training:
-            self.window += stats.to(self.window.device)
-            f_stats = self.window
+            f_stats = self._window_f(stats)
         return pooled_balance_loss(psum_E, f_stats, int(stats[-1]), world, self.top_k)

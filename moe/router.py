@@ -16,7 +16,7 @@ import torch.nn as nn
 from .capacity import capacity_keep_mask, expert_capacity
 from .config import RoutingConfig
 from .losses import router_z_loss
-from .routing import Routing, count_ids
+from .routing import Routing, count_ids, recomputing
 from .scoring import balance_probs, gates_for, scores_from_logits, select_experts
 
 
@@ -90,7 +90,7 @@ class Router(nn.Module):
             routing = self._expert_choice(scores_GSE, capacity_factor, z_loss)
         else:
             routing = self._token_choice(scores_GSE, capacity_factor, z_loss, replay_ids, logits_GSE)
-        if self.training:
+        if self.training and not recomputing():  # a recompute routed these tokens already
             self.pending_load += routing.routed_E
         return routing
 

@@ -50,3 +50,12 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     on the device: unlike bincount, the host never waits for it."""
     counts = torch.zeros(n + 1, dtype=torch.long, device=ids.device)
     return counts.scatter_add_(0, ids.reshape(-1), ids.new_ones(()).expand(ids.numel()))[:n]
+
+
+def recomputing() -> bool:
+    """True inside an autograd backward pass: where activation checkpointing runs a forward
+    again. Counters a forward adds to (routed loads, the balance window) must not count it
+    twice; what the forward used must be used again."""
+    if torch.compiler.is_compiling():  # a compiled region's recompute is the compiler's
+        return False
+    return torch._C._current_graph_task_id() != -1

@@ -18,11 +18,26 @@ the ep group reaches in the same order (the same model, the same schedule), so c
 are issued in the same order everywhere. On CUDA the backward's pieces run on autograd's
 device thread: every thread that is not the forward's counts as the backward.
 
+Random numbers: the two micro-batches share the process's generators (CPU, and CUDA's), so
+each keeps its own state, swapped in at every hand-over: the forward draws dropout masks and
+router jitter from the state the plain loop would have (its predecessor's forward ends where it
+starts), and a backward that recomputes (activation checkpointing restores the forward's saved
+state) keeps drawing from its own, whatever the other ran in between. After the pair, the
+forward's state goes on, as after a plain forward.
+
+The helper thread runs in the caller's context: its CUDA device and stream, and the dispatch
+modes active on the caller's thread (the communication ledger, the memory counter, strict
+collectives), so what the forward does there is seen as if it ran on the caller's.
+
 Memory: two micro-batches' activations are alive at once (the forward of i+1 while i's are
 held for its backward).
 """
+import contextlib
 import threading
 import time
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = ["Baton", "run_interleaved"]
 
@@ -36,6 +51,13 @@ class Baton:
         self.cond = threading.Condition()
         self.turn, self.active, self.forward_thread = None, set(), None
         self.exposed_s, self.waits, self.handed = 0.0, 0, 0
+        self.rng = {}   # role -> its generator states while the other runs
+
+    def _hand_rng(self, me: str, other: str) -> None:
+        """Keep my generator states, put the other's back (called with the baton held)."""
+        self.rng[me] = _rng_state()
+        if other in self.rng:
+            _set_rng_state(self.rng.pop(other))
 
     def _role(self) -> str:
         return "F" if threading.get_ident() == self.forward_thread else "B"
@@ -47,6 +69,7 @@ class Baton:
         other = "B" if me == "F" else "F"
         with self.cond:
             if other in self.active and self.turn == me:
+                self._hand_rng(me, other)
                 self.turn, self.handed = other, self.handed + 1
                 self.cond.notify_all()
                 self.cond.wait_for(lambda: self.turn == me)
@@ -57,8 +80,13 @@ class Baton:
 
     def _done(self, role: str) -> None:
         with self.cond:
+            other = "B" if role == "F" else "F"
             self.active.discard(role)
-            self.turn = "B" if role == "F" else "F"
+            if other in self.active:
+                self._hand_rng(role, other)
+            else:
+                self.rng[role] = _rng_state()
+            self.turn = other
             self.cond.notify_all()
 
     def pair(self, forward, backward) -> None:
@@ -66,12 +94,14 @@ class Baton:
         the first error of either is raised after both have."""
         errors = []
         with self.cond:
-            self.active, self.turn = {"F", "B"}, "F"
+            self.active, self.turn, self.rng = {"F", "B"}, "F", {}
+        context = _thread_context()
 
         def run_forward():
             self.forward_thread = threading.get_ident()
             try:
-                forward()
+                with context():
+                    forward()
             except BaseException as e:  # re-raised on the caller's thread
                 errors.append(e)
             finally:
@@ -89,6 +119,9 @@ class Baton:
             self._done("B")
         thread.join()
         self.forward_thread = None
+        if "F" in self.rng:  # the stream goes on from the forward's, as after a plain forward
+            _set_rng_state(self.rng.pop("F"))
+        self.rng = {}
         if errors:
             raise errors[0]
 
@@ -96,6 +129,38 @@ class Baton:
         out = {"a2a_exposed_s": self.exposed_s, "a2a_waits": self.waits, "a2a_handed": self.handed}
         self.exposed_s, self.waits, self.handed = 0.0, 0, 0
         return out
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _thread_context():
+    """-> a context manager that puts the calling thread's CUDA device and stream and its
+    dispatch modes on the thread that enters it."""
+    modes = list(_get_current_dispatch_mode_stack())
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = torch.cuda.current_device() if cuda else None
+    stream = torch.cuda.current_stream() if cuda else None
+
+    @contextlib.contextmanager
+    def enter():
+        with contextlib.ExitStack() as stack:
+            if device is not None:
+                torch.cuda.set_device(device)
+                stack.enter_context(torch.cuda.stream(stream))
+            for mode in modes:
+                stack.enter_context(mode)
+            yield
+    return enter
 
 
 def run_interleaved(n: int, forward, backward, baton: Baton, before_last=None) -> None:

@@ -12,8 +12,18 @@ switched (the forward handed over at its exchanges) and every exchange was waite
 through it (4 per MoE layer and micro-batch: dispatch, combine and their backward; two
 hops each under the hierarchical dispatch, plus the gates).
 
+Randomness: dropout 0.1 and router jitter 0.01 with full and with selective recomputation
+(the recompute restores the forward's generator state while the other micro-batch's forward
+draws between its pieces: parallel/interleave.py keeps one state per micro-batch), both
+runs seeded alike. The communication ledger counts the same bytes as for the plain loop (the
+helper thread runs inside the caller's dispatch modes), from step 1 (a pipeline's step 0 also
+runs torch's shape inference) and except ZeRO-3's parameter gathers, which the overlap makes
+once per step (it holds the gathered weights across the pairs). Totals, not kinds: on the
+helper thread the ledger files tensor parallelism's functional collectives under "other".
+
 Layouts: world 2 dp2 x ep2 under ZeRO 0/1/2/3, with bf16 and the hierarchical dispatch on
-2 declared nodes, with full recomputation; world 4 tp2 x dp2 x ep2 (ZeRO-1) and dp4 x ep2
+2 declared nodes, with full recomputation, with dropout and jitter under full and selective
+recomputation; world 4 tp2 x dp2 x ep2 (ZeRO-1) and dp4 x ep2
 x etp2; world 8 dp4 x cp2 x ep4 with ZeRO-3, bf16 and the hierarchical dispatch on 2 nodes.
 Inside the pipeline schedules (parallel/pipeline/overlap.py: the schedule's neighbouring
 forward/backward pairs run interleaved), against the same schedule without the overlap:
@@ -44,18 +54,24 @@ def _train(world, spec, overlap, moe_extra, M):
     # the V schedules refuse a tied embedding (plan.py); the others keep it, across stages
     model_cfg, moe_cfg = dc.configs(tie=spec.get("pp_schedule") not in ("zbv", "dualpipev"))
     for k, v in moe_extra.items():
-        setattr(moe_cfg, k, v)
+        setattr(model_cfg if k == "dropout" else moe_cfg, k, v)
     plan = ParallelPlan(**spec, a2a_overlap=overlap).validate(world, model_cfg, moe_cfg, dc.B)
     par = parallelize(dc.make_model(model_cfg, moe_cfg), plan, build_meshes(plan), loss_fn=dc.task_loss)
     opt = par.prepare_optimizer(dc.adamw_of(par.model))
-    out, switches = [], None
+    out, switches, comm = [], None, {}
+    torch.manual_seed(1234)   # dropout and jitter draw alike in both runs
     for step in range(STEPS):
         x, y = dc.my_rows(par, *dc.batch(step))
         losses = []
-        if plan.pp > 1:  # the schedule runs the micro-batches (and pairs them under 1f1b)
-            losses.append(par.pipeline_step(x, y).detach())
-        else:
-            _micro_batches(par, x.chunk(M), y.chunk(M), M, losses)
+        with par.ledger.recording():
+            if plan.pp > 1:  # the schedule runs the micro-batches (and pairs them under 1f1b)
+                losses.append(par.pipeline_step(x, y).detach())
+            else:
+                _micro_batches(par, x.chunk(M), y.chunk(M), M, losses)
+        for kind, n in par.ledger.take().items():
+            if step > 0 and not (kind == "zero_param_gather" and plan.zero == 3):
+                comm["all"] = comm.get("all", 0) + n   # the overlap holds ZeRO-3's gathered
+                                                       # weights: it gathers once per step
         norm = par.clip_grad_norm_(dc.CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -67,7 +83,7 @@ def _train(world, spec, overlap, moe_extra, M):
     params = {n: _local(p).detach().clone() for n, p in par.model.named_parameters()}
     # the waits through the baton: its exchanges per MoE layer and micro-batch, times these
     waits = (STEPS - 1) * (plan.microbatches if plan.pp > 1 else M) * len(moe_layers(par.model))
-    return out, params, switches, waits
+    return out, params, switches, waits, comm
 
 
 def _micro_batches(par, xs, ys, M, losses):
@@ -95,8 +111,9 @@ def _local(p):
 def _worker(rank, world, layouts):
     rows = []
     for name, spec, moe_extra, exchanges, M in layouts:
-        plain, p_params, _, _ = _train(world, spec, "none", moe_extra, M)
-        inter, i_params, switches, waits = _train(world, spec, "1f1b", moe_extra, M)
+        plain, p_params, _, _, p_comm = _train(world, spec, "none", moe_extra, M)
+        inter, i_params, switches, waits, i_comm = _train(world, spec, "1f1b", moe_extra, M)
+        rows.append((name, f"comm bytes by kind differ {p_comm} {i_comm}", float(p_comm != i_comm)))
         for step, (a, b) in enumerate(zip(plain, inter)):
             rows.append((name, f"step {step} loss, norm", abs(a[0] - b[0]) + abs(a[1] - b[1])))
         rows.append((name, "parameters", max(float((p_params[n] - i_params[n]).abs().max())
@@ -111,10 +128,11 @@ def _check(world, layouts, timeout):
     failures = [f"rank {r}: {name}: {metric} = {v:.3g}" for r, rows in enumerate(results)
                 for name, metric, v in rows if v != 0]
     assert not failures, "\n".join(failures)
-    assert all(len(rows) == len(layouts) * (STEPS + 3) for rows in results)
+    assert all(len(rows) == len(layouts) * (STEPS + 4) for rows in results)
 
 
 HIER = {"dispatch": "hierarchical"}
+RANDOM = {"dropout": 0.1, "jitter": 0.01}
 EVERY = {"every": 1}  # every block an MoE block (the pipeline layouts: each stage has exchanges)
 # dispatch + combine + their backwards; hierarchical: two hops each way for the rows, one
 # exchange of the gates (and its backward) and of the index (forward only, no autograd)
@@ -125,7 +143,12 @@ W2 = [("dp2 ep2", {"dp": 2, "ep": 2}, {}, FLAT_X, 4),
       ("dp2 ep2 zero3", {"dp": 2, "ep": 2, "zero": 3}, {}, FLAT_X, 4),
       ("dp2 ep2 bf16 hierarchical on 2 nodes", {"dp": 2, "ep": 2, "precision": "bf16",
                                                 "gpus_per_node": 1}, HIER, HIER_X, 4),
-      ("dp2 ep2 recompute full", {"dp": 2, "ep": 2, "recompute": "full"}, {}, FLAT_X + 2, 4)]
+      ("dp2 ep2 recompute full", {"dp": 2, "ep": 2, "recompute": "full"}, {}, FLAT_X + 2, 4),
+      ("dp2 ep2 recompute full dropout jitter", {"dp": 2, "ep": 2, "recompute": "full"},
+       RANDOM, FLAT_X + 2, 4),
+      ("dp2 ep2 recompute selective dropout jitter",
+       {"dp": 2, "ep": 2, "recompute": "selective", "recompute_modules": "core_attn,moe_act"},
+       RANDOM, FLAT_X, 4)]
 W4 = [("tp2 dp2 ep2 zero1", {"tp": 2, "dp": 2, "ep": 2, "zero": 1}, {}, FLAT_X, 2),
       ("dp4 ep2 etp2", {"dp": 4, "ep": 2, "etp": 2}, {}, FLAT_X, 2)]
 W8 = [("dp4 cp2 ep4 zero3 bf16 hierarchical on 2 nodes",

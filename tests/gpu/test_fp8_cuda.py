@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("no_tf32")
 
 def _bank_run(bank, x, counts, gy, dev):
     bank = bank.to(dev)
-    x = x.to(dev).requires_grad_()
+    x = x.detach().to(dev).requires_grad_()  # a leaf on every device (x.to(cuda) of a leaf is not)
     with torch.autocast(dev.type, torch.bfloat16):
         y = bank(x, counts)
     (y.float() * gy.to(dev)).sum().backward()
