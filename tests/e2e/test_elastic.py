@@ -115,7 +115,7 @@ def test_a_node_lost_and_regained(tmp_path, tmp_path_factory):
     port = _free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
-             "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts", "3", "train.py", *common,
+             "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=10", "--max-restarts", "3", "train.py", *common,
              f"run.dir={run}", "train.resume=true"]
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("a", "b", "b2")}
 
