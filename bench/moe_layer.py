@@ -17,7 +17,7 @@ median of several timed repetitions after warm-up, plus its ratio to the floor:
 Each moekit row is followed by its op census (moe/profiling/census.py: aten ops, host syncs and
 non-GEMM bytes of one forward+backward, as a multiple of the input's bytes). The "fine"
 section runs the fine-grained shape D=2048, E=64, k=8, F=768, T=16384 (Qwen3-30B-A3B's
-experts; T=2048 on a CPU), swiglu, each dtype.
+experts; T=512 on a CPU, where bf16 GEMMs may be slow), swiglu, each dtype.
 
 Run:  python bench/moe_layer.py            (full: T=8192, D=512, F=2048, ~15-30 min on 2 cores)
       python bench/moe_layer.py --quick    (smoke run on a toy size, seconds)
@@ -277,7 +277,7 @@ def main(argv=None):
             if peers_on:  # Mixtral is swiglu: compare it against a swiglu floor and layer
                 run_config(T, D, F_, 16, 2, "swiglu", dtype_name, ["hf"], reps, warmup)
     if "fine" not in skip:  # fine-grained experts: Qwen3-30B-A3B's layer shape
-        fine_T = 256 if q else (16384 if device().type == "cuda" else 2048)
+        fine_T = 256 if q else (16384 if device().type == "cuda" else 512)
         fD, fF = (64, 32) if q else (2048, 768)
         for dtype_name in args.dtypes.split(","):
             run_config(fine_T, fD, fF, 64 if not q else 16, 8, "swiglu", dtype_name,
