@@ -117,7 +117,9 @@ def main(argv=None) -> int:
     print_summary(report, sys.stdout)
     if args.trace:
         _trace(par.model, cfg, arch, device, args.out)
-    print(f"wrote {args.out}/load.json, {args.out}/load.png, {args.out}/tensorboard")
+    out = os.path.normpath(args.out)  # "prof/" gives prof/load.json, not prof//load.json
+    print(f"wrote {os.path.join(out, 'load.json')}, {os.path.join(out, 'load.png')}, "
+          f"{os.path.join(out, 'tensorboard')}")
     return 0
 
 

@@ -363,6 +363,8 @@ def load_model_weights(path, par) -> Path:
     """Model weights only (no optimizer, no RNG), from a run dir (its latest complete
     checkpoint) or a checkpoint dir, into `par.model` (one process or any layout)."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; pass a run dir or a checkpoints/step_XXXXXXXX dir")
     if checkpoint_root(path).is_dir():
         found = newest_good(path, say=lambda line: warnings.warn(line), move=False)
         if found is None:

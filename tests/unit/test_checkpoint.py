@@ -180,3 +180,9 @@ def test_all_checkpoints_bad_is_an_error_not_a_silent_restart(tmp_path):
     resumed = load_config(None, TINY + [f"run.dir={cfg.run.dir}", "train.resume=true"])
     with pytest.raises(ConfigError, match="no checkpoint in .* verifies"):
         plan_start(resumed, 1)
+
+
+def test_weights_from_a_missing_path_say_it_does_not_exist(tmp_path):
+    from trainer.checkpoint import load_model_weights
+    with pytest.raises(ValueError, match=r"nope does not exist; pass a run dir"):
+        load_model_weights(tmp_path / "nope", par=None)

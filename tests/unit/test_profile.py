@@ -132,13 +132,15 @@ def test_cli_builds_from_config_and_loads_checkpoint_weights(tmp_path, capsys):
         f'every = 1\n[train]\nbatch_size = 2\n[data]\nseq_len = 32\nmax_bytes = 200000\n'
         f'cache_dir = "{tmp_path / "cache"}"\n')
     out = tmp_path / "prof"
-    assert main(["--config", str(cfg_file), "--out", str(out), "--batches", "2"]) == 0
+    assert main(["--config", str(cfg_file), "--out", f"{out}/", "--batches", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'load.json'}," in printed  # "prof/" prints no "//"
     report = json.loads((out / "load.json").read_text())
     assert [r["name"] for r in report["layers"]] == [f"hf.transformer.h.{i}.mlp.moe" for i in (0, 1)]
     for r in report["layers"]:
         assert r["tokens"] == 2 * 2 * 32 and sum(r["counts"]) == r["tokens"] * 2
         assert all(isinstance(t["text"], str) for top in r["top_tokens"] for t in top)
-    assert "hf.transformer.h.1.mlp.moe" in capsys.readouterr().out
+    assert "hf.transformer.h.1.mlp.moe" in printed
     # rows per ep rank planned for the config's expert-parallel layout, with/without replicas
     assert main(["--config", str(cfg_file), "--out", str(out), "--batches", "2",
                  "parallel.ep=2", "moe.replica_slots=1"]) == 0
