@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .experts import pad_rows
 from .routing import Routing
 from .wire import round_trip
 
@@ -84,7 +85,7 @@ class _GatherRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_ND):
         meta, T = ctx.meta, ctx.T
-        if meta.row_A is None or g_ND.shape[0] != meta.row_A.numel():
+        if meta.row_A is None:
             return g_ND.new_zeros(T, g_ND.shape[-1]).index_add_(0, meta.token_N, g_ND), None
         return F.embedding_bag(meta.row_A, g_ND, meta.bag_T, mode="sum"), None
 
@@ -153,10 +154,7 @@ def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch
     if meta.row_A is None:
         w_ND = y_ND * meta.gate_N.to(y_ND.dtype).unsqueeze(-1)
         return y_ND.new_zeros(T, D).index_add_(0, meta.token_N, w_ND).to(out_dtype)
-    A = meta.row_A.numel()
-    if y_ND.shape[0] < A:
-        y_ND = torch.cat([y_ND, y_ND.new_zeros(A - y_ND.shape[0], D)])
-    return _WeightedBags.apply(y_ND, meta.gate_A, meta).to(out_dtype)
+    return _WeightedBags.apply(pad_rows(y_ND, meta.row_A.numel()), meta.gate_A, meta).to(out_dtype)
 
 
 class LocalDispatcher:

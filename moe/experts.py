@@ -14,7 +14,14 @@ from .fp8 import check_block_dims, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kern
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
-           "check_experts_impl"]
+           "check_experts_impl", "pad_rows"]
+
+
+def pad_rows(y_kD: torch.Tensor, n: int) -> torch.Tensor:
+    """y with zero rows appended up to n rows (the dropped assignments' rows)."""
+    if y_kD.shape[0] >= n:
+        return y_kD
+    return torch.cat([y_kD, y_kD.new_zeros(n - y_kD.shape[0], y_kD.shape[-1])])
 
 
 def check_experts_impl(experts_impl: str) -> None:
@@ -232,9 +239,8 @@ class ExpertBank(nn.Module):
         if impl != "grouped_mm" and isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # the loops slice on the host
         if impl != "grouped_mm" and padded and sum(counts) < x_ND.shape[0]:
-            kept = sum(counts)
-            y_kD = self.forward(x_ND[:kept], counts, lambda _: params)
-            return torch.cat([y_kD, y_kD.new_zeros(x_ND.shape[0] - kept, y_kD.shape[-1])])
+            return pad_rows(self.forward(x_ND[:sum(counts)], counts, lambda _: params),
+                            x_ND.shape[0])
         if impl == "fp8":
             return self._forward_fp8(x_ND, counts, params)
         if impl == "ops":

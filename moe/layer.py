@@ -12,7 +12,7 @@ from torch.profiler import record_function  # named ranges for traces; ~free whe
 
 from .config import RoutingConfig
 from .dispatcher import LocalDispatcher
-from .experts import DenseFFN, ExpertBank, check_activation
+from .experts import DenseFFN, ExpertBank, check_activation, pad_rows
 from .losses import BalanceLoss
 from .router import Router
 from .stats import RoutingStats
@@ -289,9 +289,9 @@ class MoELayer(nn.Module):
         # the counts on the host anyway, so the kept rows are cut off here)
         from .expert_tp import tensor_parallel_experts
         if padded:
-            kept = int(counts.sum())
-            y_kD = tensor_parallel_experts(self.experts, x_ND[:kept], counts, extend, self.etp_group)
-            return torch.cat([y_kD, y_kD.new_zeros(x_ND.shape[0] - kept, y_kD.shape[-1])])
+            y_kD = tensor_parallel_experts(self.experts, x_ND[:int(counts.sum())], counts, extend,
+                                           self.etp_group)
+            return pad_rows(y_kD, x_ND.shape[0])
         return tensor_parallel_experts(self.experts, x_ND, counts, extend, self.etp_group)
 
     def _overlapped(self) -> bool:

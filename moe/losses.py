@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import BALANCE_LOSSES
-from .routing import recomputing
+from .routing import count_per_group, recomputing
 
 MAX_WINDOW_SNAPSHOTS = 4096  # forwards per window whose f a recompute may ask for again
 
@@ -48,14 +48,8 @@ def load_balance_loss(probs_GSE: torch.Tensor, ids_GSK: torch.Tensor, counts_GE=
     G, S, E = probs_GSE.shape
     K = ids_GSK.shape[-1]
     with torch.no_grad():
-        if counts_GE is not None:
-            counts_GE = counts_GE.reshape(-1).to(probs_GSE.dtype)
-        else:
-            group_A = ids_GSK.reshape(G, S * K)
-            if G > 1:
-                group_A = group_A + torch.arange(0, G * E, E, device=group_A.device).unsqueeze(1)
-            counts_GE = torch.zeros(G * E, device=probs_GSE.device, dtype=probs_GSE.dtype)
-            counts_GE.scatter_add_(0, group_A.reshape(-1), counts_GE.new_ones(()).expand(G * S * K))
+        counts_GE = count_per_group(ids_GSK, E) if counts_GE is None else counts_GE
+        counts_GE = counts_GE.reshape(-1).to(probs_GSE.dtype)
     mean_prob_GE = probs_GSE.mean(dim=1).reshape(-1)
     return torch.dot(counts_GE, mean_prob_GE) * (E / (S * K * G))
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .capacity import capacity_keep_mask, expert_capacity
 from .config import RoutingConfig
 from .losses import router_z_loss
-from .routing import Routing, count_ids, recomputing
+from .routing import Routing, count_ids, count_per_group, recomputing
 from .scoring import balance_probs, gates_for, scores_from_logits, select_experts
 
 
@@ -127,10 +127,7 @@ class Router(nn.Module):
             ids_TK = forced_balanced_ids(T, K, E, scores_GSE.device)
         ids_GSK = ids_TK.reshape(G, S, K)
         expert_A, gate_A = ids_TK.reshape(-1), gates_TK.reshape(-1)
-        ids_GA = ids_GSK.reshape(G, S * K)
-        if G > 1:  # one count per (group, expert): the balance loss's f, summed for routed_E
-            ids_GA = ids_GA + torch.arange(0, G * E, E, device=ids_GA.device).unsqueeze(1)
-        routed_GE = count_ids(ids_GA, G * E).view(G, E)
+        routed_GE = count_per_group(ids_GSK, E)  # also the balance loss's f
         routed_E = routed_GE.sum(0) if G > 1 else routed_GE.view(E)
         kept_E, capacity = routed_E, self._capacity(capacity_factor, S)
         if capacity is not None:  # a dropped assignment keeps its slot: expert E, gate 0

@@ -52,6 +52,15 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return counts.scatter_add_(0, ids.reshape(-1), ids.new_ones(()).expand(ids.numel()))[:n]
 
 
+def count_per_group(ids_GSK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """long [G, E]: how often each expert occurs in each routing group's ids (one scatter)."""
+    G, E = ids_GSK.shape[0], num_experts
+    ids_GA = ids_GSK.reshape(G, -1)
+    if G > 1:
+        ids_GA = ids_GA + torch.arange(0, G * E, E, device=ids_GA.device).unsqueeze(1)
+    return count_ids(ids_GA, G * E).view(G, E)
+
+
 def recomputing() -> bool:
     """True inside an autograd backward pass: where activation checkpointing runs a forward
     again. Counters a forward adds to (routed loads, the balance window) must not count it
