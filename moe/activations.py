@@ -10,11 +10,12 @@ Ungated: a = act(h1). Gated: a = act(h1) * h3, except GPT-OSS's clamped SwiGLU:
 bounded for low-precision inference). It is the one activation that is not act(h1) * h3, and
 this file is the only place that knows it.
 """
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .fusion import run_fused
 
 CLAMPED_SWIGLU = "clamped_swiglu"
 
@@ -73,29 +74,18 @@ def _gated_backward(name: str, da, h1, h3, alpha: float, limit: float):
     return kernel(da * h3, h1), da * ACTIVATIONS[name][0](h1)
 
 
-@functools.cache
-def _compiled(fn):
-    """fn compiled once per process (CUDA only): inductor fuses its pointwise ops into one
-    kernel, which eager aten cannot (each op reads and writes the [n, F] tensors)."""
-    return torch.compile(fn, dynamic=True)
-
-
-def _run(fn, *args):
-    return (_compiled(fn) if args[1].is_cuda else fn)(*args)
-
-
 # The gated activation as two ops (forward; backward giving both gradients): one fused kernel
 # each on CUDA, 12 and 20 times an [n, F] half's bytes instead of 20 and 44 as separate ops.
 @torch.library.custom_op("moekit::gated_act", mutates_args=())
 def gated_act(name: str, h1: torch.Tensor, h3: torch.Tensor, alpha: float,
               limit: float) -> torch.Tensor:
-    return _run(_gated_forward, name, h1, h3, alpha, limit)
+    return run_fused(_gated_forward, h1, name, h1, h3, alpha, limit)
 
 
 @torch.library.custom_op("moekit::gated_act_backward", mutates_args=())
 def gated_act_backward(name: str, da: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
                        alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dh1, dh3 = _run(_gated_backward, name, da, h1, h3, alpha, limit)
+    dh1, dh3 = run_fused(_gated_backward, h1, name, da, h1, h3, alpha, limit)
     return dh1.contiguous(), dh3.contiguous()
 
 

@@ -4,8 +4,10 @@ Shapes: T tokens, D model dim, E experts, K top-k, G routing groups, S tokens pe
 C expert capacity per group, A assignments.
 Logits and scores are fp32 for fp32/bf16/fp16 inputs (fp64 inputs stay fp64, so a float64
 reference run is exact), whatever the parameter dtype, unless `logits_dtype`/`score_dtype`
-pin them. A bf16 input is widened for the router GEMM: bf16-rounded logits flip with the
-GEMM's row blocking, so layouts that split the tokens differently (cp) would route apart.
+pin them. A bf16 input gets fp32 logits from one GEMM with an fp32 result, without an fp32
+copy of the input (moe/router_ops.py): bf16-rounded logits flip with the GEMM's row blocking,
+so layouts that split the tokens differently (cp) would route apart. The scores, z-loss and
+entropy come from one fused op.
 Routing has static shapes and never waits for the device: counts are scatters, capacity a
 sort and a binary search (moe/capacity.py).
 The scoring and selection steps themselves are pure functions in moe/scoring.py.
@@ -16,6 +18,7 @@ import torch.nn as nn
 from .capacity import capacity_keep_mask, expert_capacity
 from .config import RoutingConfig
 from .losses import router_z_loss
+from .router_ops import LOW_PRECISION, mean_entropy, plain, router_logits, score_stats
 from .routing import Routing, count_ids, count_per_group, recomputing
 from .scoring import balance_probs, gates_for, scores_from_logits, select_experts
 
@@ -61,8 +64,13 @@ class Router(nn.Module):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         c = self.config
         dtype = c.logits_dtype or torch.promote_types(x_TD.dtype, torch.float32)
+        jitter = self.training and c.jitter > 0
+        if x_TD.dtype in LOW_PRECISION and dtype == torch.float32 and not jitter \
+                and plain(x_TD, self.weight):  # no fp32 copy of x (moe/router_ops.py)
+            logits_TE = router_logits(x_TD, self.weight)
+            return logits_TE if self.bias is None else logits_TE + self.bias.to(dtype)
         x32_TD = x_TD.to(dtype)
-        if self.training and c.jitter > 0:
+        if jitter:
             noise = torch.empty_like(x32_TD).uniform_(1.0 - c.jitter, 1.0 + c.jitter)
             x32_TD = x32_TD * noise
         logits_TE = x32_TD @ self.weight.to(dtype).t()
@@ -73,6 +81,16 @@ class Router(nn.Module):
         c = self.config
         return scores_from_logits(logits_TE.to(c.score_dtype or logits_TE.dtype), c.score_func)
 
+    def score_stats(self, logits_GSE: torch.Tensor):
+        """(scores, z_loss, entropy) of the logits: one fused op where the scores keep the
+        logits' dtype (moe/router_ops.py), the same three computations otherwise."""
+        c = self.config
+        if (c.score_dtype is None or c.score_dtype == logits_GSE.dtype) and plain(logits_GSE):
+            return score_stats(logits_GSE, c.score_func)
+        scores_GSE = self.scores(logits_GSE)
+        return (scores_GSE, router_z_loss(logits_GSE),
+                mean_entropy(balance_probs(scores_GSE, c.score_func)))
+
     def forward(self, x_GSD: torch.Tensor, capacity_factor, replay_ids=None) -> Routing:
         """replay_ids (long [G, S, K] or [G*S, K], None: choose): router replay -- these experts
         are used instead of the top-k; the gates are the current scores at them (renormalised
@@ -81,15 +99,15 @@ class Router(nn.Module):
         loss and routed counts see the replayed choices with the current probabilities."""
         G, S, D = x_GSD.shape
         logits_GSE = self.logits(x_GSD.reshape(G * S, D)).reshape(G, S, self.num_experts)
-        scores_GSE = self.scores(logits_GSE)
-        z_loss = router_z_loss(logits_GSE)
+        scores_GSE, z_loss, entropy = self.score_stats(logits_GSE)
         if self.config.kind == "expert_choice":
             if replay_ids is not None:
                 raise ValueError("router replay needs token-choice routing (moe.router="
                                  "expert_choice picks tokens per expert, not experts per token)")
-            routing = self._expert_choice(scores_GSE, capacity_factor, z_loss)
+            routing = self._expert_choice(scores_GSE, capacity_factor, z_loss, entropy)
         else:
-            routing = self._token_choice(scores_GSE, capacity_factor, z_loss, replay_ids, logits_GSE)
+            routing = self._token_choice(scores_GSE, capacity_factor, z_loss, entropy, replay_ids,
+                                         logits_GSE)
         if self.training and not recomputing():  # a recompute routed these tokens already
             self.pending_load += routing.routed_E
         return routing
@@ -103,7 +121,7 @@ class Router(nn.Module):
             return None
         return expert_capacity(capacity_factor, S, c.top_k, c.num_experts)
 
-    def _token_choice(self, scores_GSE, capacity_factor, z_loss, replay_ids=None,
+    def _token_choice(self, scores_GSE, capacity_factor, z_loss, entropy, replay_ids=None,
                       logits_GSE=None) -> Routing:
         c = self.config
         G, S, E = scores_GSE.shape
@@ -138,12 +156,12 @@ class Router(nn.Module):
         probs_GSE = balance_probs(scores_GSE, c.score_func)
         return Routing(
             expert_A=expert_A, gate_A=gate_A, slots_per_token=K, num_tokens=T,
-            routed_E=routed_E, kept_E=kept_E, z_loss=z_loss, entropy=_entropy(probs_GSE),
+            routed_E=routed_E, kept_E=kept_E, z_loss=z_loss, entropy=entropy,
             probs_GSE=probs_GSE, ids_GSK=ids_GSK, dropped=capacity is not None,
             routed_GE=routed_GE,
         )
 
-    def _expert_choice(self, scores_GSE, capacity_factor, z_loss) -> Routing:
+    def _expert_choice(self, scores_GSE, capacity_factor, z_loss, entropy) -> Routing:
         """Each expert takes its top-C tokens of each group by router score."""
         c = self.config
         G, S, E = scores_GSE.shape
@@ -161,7 +179,7 @@ class Router(nn.Module):
             expert_A=expert_A, gate_A=gates_GEC.reshape(-1), fan_in_tokens_A=tok_GEC.reshape(-1),
             slots_per_token=0, num_tokens=G * S,
             routed_E=counts_E, kept_E=counts_E,
-            z_loss=z_loss, entropy=_entropy(balance_probs(scores_GSE, c.score_func)),
+            z_loss=z_loss, entropy=entropy,
         )
 
     @torch.no_grad()
@@ -184,11 +202,6 @@ def forced_balanced_ids(T: int, K: int, E: int, device) -> torch.Tensor:
     T*K/E assignments (of S*K/E per group when E divides S*K, as groups start at g*S*K).
     """
     return (torch.arange(T * K, device=device) % E).reshape(T, K)
-
-
-def _entropy(probs_GSE: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.special.entr(probs_GSE.float()).sum(-1).mean()
 
 
 def replayed_ids(ids, T: int, K: int, E: int, device) -> torch.Tensor:

@@ -30,7 +30,8 @@ __all__ = ["OpCensus", "GEMM_OPS", "SYNC_OPS"]
 
 aten = torch.ops.aten
 GEMM_OPS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "_grouped_mm", "_scaled_mm",
-            "_scaled_grouped_mm", "matmul", "linear", "addmv", "mv", "dot"}
+            "_scaled_grouped_mm", "matmul", "linear", "addmv", "mv", "dot",
+            "router_logits", "router_logits_backward"}  # moe/router_ops.py: GEMMs on a GPU
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "bincount", "_unique", "_unique2",
             "unique_dim", "unique_consecutive", "masked_select"}
 # ops that move no data: views, metadata, and allocations of uninitialized memory

@@ -110,3 +110,50 @@ def test_one_process_layer_never_waits_for_the_gpu(kw):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_fused_ops_on_cuda_match_cpu(score_func):
+    """moe/router_ops.py on CUDA (the fp32-output GEMM, the compiled score kernel) against
+    their CPU arithmetic: fp32 logits from bf16 operands (only the summation order differs:
+    1e-5 relative), the backward's bf16-rounded logit gradient (2^-8 relative per element)."""
+    from moe.router_ops import router_logits, score_stats
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, dtype=torch.bfloat16)
+    w = (torch.randn(16, 256) * 0.05).to(torch.bfloat16)
+    g = torch.randn(512, 16)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        xl = x.to(dev).requires_grad_(True)
+        wl = w.to(dev).requires_grad_(True)
+        logits = router_logits(xl, wl)
+        scores, z, ent = score_stats(logits, score_func)
+        ((scores * g.to(dev)).sum() + z).backward()
+        out[dev] = [t.detach().cpu().float() for t in (logits, scores, z, ent, xl.grad, wl.grad)]
+    assert out["cuda"][0].dtype == torch.float32
+    for name, a, b, tol in zip(("logits", "scores", "z", "entropy", "dx", "dw"), out["cpu"],
+                               out["cuda"], (1e-5, 1e-5, 1e-5, 1e-5, 1e-2, 1e-2)):
+        assert max_rel_err(b, a) <= tol, name
+
+
+def test_baton_times_the_streams_stall_not_the_host():
+    """Under NCCL work.wait() only makes the stream wait: parallel/interleave.py's Baton times
+    that stall with CUDA events. An exchange stood in for by a side-stream sleep (~50 ms)
+    that the current stream waits for: the host returns at once, the stall is counted."""
+    import time
+    from parallel.interleave import Baton
+    side, done = torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # cycles: ~50 ms at ~2 GHz
+        done.record(side)
+
+    class Work:
+        def wait(self):
+            torch.cuda.current_stream().wait_event(done)
+    baton = Baton()
+    t0 = time.perf_counter()
+    baton.wait(Work())
+    host_s = time.perf_counter() - t0
+    got = baton.take()
+    assert host_s < 0.01 and got["a2a_exposed_s"] > 0.02, (host_s, got)
