@@ -44,13 +44,16 @@ __all__ = ["Baton", "run_interleaved"]
 
 class Baton:
     """Who runs now, the forward ("F") or the backward ("B"); `wait(work)` is the MoE
-    layers' a2a waiter. `exposed_s` / `waits`: seconds blocked in work.wait() and the number
-    of waits since the last take() (for the benchmark and the metrics)."""
+    layers' a2a waiter. take() gives a2a_exposed_s, the seconds the exchanges were waited for
+    after the other micro-batch ran (gloo: the host blocked in work.wait(); CUDA: the stream
+    stalled between events recorded around it, as NCCL's wait blocks the stream, not the
+    host), and the numbers of waits and hand-overs since the last take()."""
 
     def __init__(self):
         self.cond = threading.Condition()
         self.turn, self.active, self.forward_thread = None, set(), None
         self.exposed_s, self.waits, self.handed = 0.0, 0, 0
+        self.stalls = []  # CUDA: (start, end) events around each wait, read in take()
         self.rng = {}   # role -> its generator states while the other runs
 
     def _hand_rng(self, me: str, other: str) -> None:
@@ -73,9 +76,17 @@ class Baton:
                 self.turn, self.handed = other, self.handed + 1
                 self.cond.notify_all()
                 self.cond.wait_for(lambda: self.turn == me)
-        t0 = time.perf_counter()
-        work.wait()
-        self.exposed_s += time.perf_counter() - t0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # NCCL's wait only makes the stream wait: time the stream's stall, not the host's
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work.wait()
+            end.record()
+            self.stalls.append((start, end))
+        else:  # gloo's wait blocks the host until the rows are here
+            t0 = time.perf_counter()
+            work.wait()
+            self.exposed_s += time.perf_counter() - t0
         self.waits += 1
 
     def _done(self, role: str) -> None:
@@ -126,9 +137,16 @@ class Baton:
             raise errors[0]
 
     def take(self) -> dict:
-        out = {"a2a_exposed_s": self.exposed_s, "a2a_waits": self.waits, "a2a_handed": self.handed}
-        self.exposed_s, self.waits, self.handed = 0.0, 0, 0
+        """The step's figures (and reset): on CUDA this waits for the step's last exchange."""
+        exposed = self.exposed_s + sum(a.elapsed_time(b) for a, b in self._ended()) / 1e3
+        out = {"a2a_exposed_s": exposed, "a2a_waits": self.waits, "a2a_handed": self.handed}
+        self.exposed_s, self.waits, self.handed, self.stalls = 0.0, 0, 0, []
         return out
+
+    def _ended(self) -> list:
+        if self.stalls:
+            self.stalls[-1][1].synchronize()
+        return self.stalls
 
 
 def _rng_state() -> tuple:

@@ -72,7 +72,8 @@ class MetricsLogger:
         of the all-to-alls, by where each peer sits; model_state_bytes on the first step; peak_mem_bytes on the measured
         steps, log.peak_mem_every, with peak_mem_reserved_bytes on CUDA; under fp16
         loss_scale and skipped; under parallel.a2a_overlap=1f1b a2a_exposed_s, the seconds the
-        step's expert all-to-alls were waited for after the other micro-batch ran, a2a_waits
+        step's expert all-to-alls were waited for after the other micro-batch ran (on CUDA the
+        stream's stall, timed by events; on gloo the host's wait), a2a_waits
         and a2a_handed, how many waits there were and how many handed over to it)."""
         if not self.enabled:
             return

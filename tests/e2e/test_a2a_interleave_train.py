@@ -26,7 +26,7 @@ def test_1f1b_same_losses_as_the_plain_loop(tmp_path):
         # 2 micro-batches x 1 MoE layer (TINY: 2 blocks, every 2nd) x 4 exchanges; F1 hands
         # over at each of its 2 and B0 at each of its 2
         assert rec["a2a_waits"] == 8 and rec["a2a_handed"] == 4, rec
-        assert rec["a2a_exposed_s"] >= 0
+        assert rec["a2a_exposed_s"] > 0  # gloo: the host blocked in each of the 8 waits
     assert all("a2a_waits" not in rec for rec in records(plain))
 
 

@@ -170,3 +170,37 @@ def test_pairing_keeps_each_rank_order_and_the_plan_rule_matches_torch_lowering(
                 assert "cannot pair forwards with backwards" in str(e), e
                 accepted = False
             assert accepted == lowered, (schedule, pp, m, accepted, lowered)
+
+
+class _SlowWork:
+    """An exchange still on the wire: wait() blocks the host (as gloo's does) for `s`."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def wait(self):
+        import time
+        time.sleep(self.s)
+
+
+def test_exposed_seconds_are_the_waits_not_the_compute():
+    """a2a_exposed_s counts the time blocked in work.wait(), not what ran around it: 2 + 2
+    waits of 30 ms, with 50 ms of compute beside each, give 4 x 30 ms (+ scheduling slack)."""
+    import time
+    baton = Baton()
+
+    def forward(i):
+        time.sleep(0.05)
+        baton.wait(_SlowWork(0.03))
+        baton.wait(_SlowWork(0.03))
+
+    def backward(i, held):
+        time.sleep(0.05)
+        baton.wait(_SlowWork(0.03))
+        baton.wait(_SlowWork(0.03))
+
+    run_interleaved(2, forward, backward, baton)
+    got = baton.take()
+    assert got["a2a_waits"] == 8
+    assert 8 * 0.03 <= got["a2a_exposed_s"] < 8 * 0.03 + 0.2, got
+    assert baton.take()["a2a_exposed_s"] == 0.0  # take() starts the next step's count
