@@ -222,14 +222,23 @@ def exchange(pieces: list, updates: list, ns, assign=owners) -> list:
 CHECK_BYTES = 32  # check_same_matrices' all-reduce: 4 int64 per group and step
 
 
-def check_same_matrices(shapes: list, group, device=None) -> None:
+def collective_device(group) -> torch.device:
+    """Where a tensor for a collective on `group` must live: NCCL takes the current CUDA
+    device's tensors only, gloo the CPU's."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_same_matrices(shapes: list, group) -> None:
     """Collective (one small all-reduce): the ranks of an exchange group must step the same
     matrices in the same order -- the all_to_alls are sized from each rank's own list, and
     lists that differ would hang or swap garbage. ValueError (the same on every rank)
-    naming both counts when they do not."""
+    naming both counts when they do not. The check's tensor lives where the group's backend
+    wants it, also on a rank with no matrix (the mismatch it reports)."""
     fingerprint = sum((i + 1) * (math.prod(s) % 1000003 + 7 * len(s)) for i, s in enumerate(shapes))
     mine = torch.tensor([len(shapes), -len(shapes), fingerprint, -fingerprint], dtype=torch.int64,
-                        device=device)
+                        device=collective_device(group))
     seen = mine.clone()
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
     if torch.equal(seen[[0, 2]], -seen[[1, 3]]):
@@ -266,8 +275,7 @@ class PieceOwners:
             for group in self.groups:
                 ks = [k for k, p in enumerate(params) if id(p) in self.pieces and self.pieces[id(p)].group is group]
                 if dist.get_world_size(group) > 1:  # before any exchange sized from ks
-                    check_same_matrices([self.pieces[id(params[k])].shape for k in ks], group,
-                                        self.device or (updates[0].device if updates else None))
+                    check_same_matrices([self.pieces[id(params[k])].shape for k in ks], group)
                 if not ks:
                     continue
                 locals_ = [_local(updates[k]) for k in ks]  # host ones (offload) to the device

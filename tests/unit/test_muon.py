@@ -151,3 +151,16 @@ def test_pieces_are_the_layouts_blocks(axes, order):
     padded = [torch.cat([g, g.new_full((max(d.numels()) - g.numel(),), 9.0)]) if s else None
               for g, s in zip(got, sources)]   # on the wire: padded, copies absent
     assert torch.equal(d.assemble(padded), w)
+
+
+def test_the_agreement_checks_tensor_lives_where_the_backend_wants_it(monkeypatch):
+    """parallel/muon.py check_same_matrices' all-reduce tensor: on the current CUDA device
+    under NCCL, whatever this rank holds (a rank with no matrix -- the very mismatch the check
+    reports -- has no update to take a device from), on the CPU under gloo."""
+    import torch.distributed as dist
+    from parallel import muon
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert muon.collective_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert muon.collective_device(None) == torch.device("cpu")
