@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from moe.aux import moe_layers
 from moe.expert_tp import FFN_DIMS
 
-from .data_parallel.zero_shards import pieces_to_host, slice_shards
+from .data_parallel.zero_shards import slice_shards
 from .dtensors import like_param, local
 
 PENDING, FLAG = "pipeline_2bw_pending_grad.", "_present"
@@ -97,42 +97,6 @@ def set_layout_state(par, optimizer, state: dict) -> None:
         set_model_state_dict(par.model, model_sd)
         _set_zero_optim_state(par.model, optimizer, par.zero, optim_sd)
         par.zero.refresh_from_params()
-
-
-def host_copy(state):
-    """The layout_state copied to host memory, for an async save to write while training goes
-    on (DCP's own stager cannot copy ZeRO-1/2's pieces): tensors cloned, DTensors and pieces
-    with cloned local parts, everything else as it is."""
-    from torch.distributed.tensor import DTensor
-    if isinstance(state, dict):
-        return {k: host_copy(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [host_copy(v) for v in state]
-    if isinstance(state, ShardedTensor):
-        return pieces_to_host(state)
-    if isinstance(state, DTensor):
-        # as DCP's own stager copies one: from_local would move a host local back to a CUDA
-        # mesh's device, so the copy is put in place of the (host) DTensor's local tensor
-        out = state.detach().to("cpu")
-        out._local_tensor = state.to_local().detach().to("cpu", copy=True)
-        return out
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    return state
-
-
-class AlreadyStaged:
-    """dcp.async_save's stager for a host_copy: nothing left to copy."""
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _check_names(optim_sd: dict, model_sd: dict) -> None:

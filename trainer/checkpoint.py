@@ -19,7 +19,8 @@ against its manifest (verify) and falls back to an older one; rejected and half-
 step directories are moved to checkpoints/rejected/ (kept for inspection, never loaded).
 
 checkpoint.async (begin_save with background=True): DCP's async_save copies the state to host
-memory and writes it from a thread while training goes on; rank 0 then hashes the files for
+memory (pinned buffers, copied beside the next step's compute on CUDA: parallel/staging.py)
+and writes it from a thread while training goes on; rank 0 then hashes the files for
 the manifest in another thread. finish_save (called by the trainer at the first step boundary
 where every rank's write is done, before the next save, at the end and on SIGTERM) declares
 it exactly as a synchronous save does, so a kill at any point before leaves only a temp dir.
@@ -39,8 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel.state_dict import (OPTIONAL_PREFIXES, AlreadyStaged, host_copy, layout_state,
-                                 set_layout_state, set_weights_state, weights_state)
+from parallel.staging import HostStager
+from parallel.state_dict import (OPTIONAL_PREFIXES, layout_state, set_layout_state,
+                                 set_weights_state, weights_state)
 
 from .distributed import all_agree, barrier
 
@@ -122,11 +124,13 @@ class PendingSave:
 
 
 def begin_save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict,
-               background: bool = False, group=None) -> PendingSave:
+               background: bool = False, group=None, stager=None) -> PendingSave:
     """Collective. Write step's checkpoint into its temp dir: the DCP state synchronously, or
-    (background) from a host copy taken here while training goes on, DCP's own collectives
-    running off the main thread on `group` (a gloo group of every rank; None in one process).
-    RNG states and trainer.json are written now: the checkpoint holds this step's state."""
+    (background) from a host copy staged here while training goes on (parallel/staging.py:
+    `stager`, a HostStager kept across saves, whose fence() the caller runs before the next
+    optimizer step), DCP's own collectives running off the main thread on `group` (a gloo
+    group of every rank; None in one process). RNG states and trainer.json are written now:
+    the checkpoint holds this step's state."""
     final = step_dir(run_dir, step)
     if final.is_dir() and (final / "COMPLETE").is_file():
         return PendingSave(step, final, final)  # this exact step is already saved
@@ -150,9 +154,11 @@ def begin_save(ctx, run_dir, step: int, par, optimizer, trainer_state: dict,
         if not background:
             dcp.save(layout_state(par, optimizer), checkpoint_id=str(tmp))
         else:
-            future = dcp.async_save(host_copy(layout_state(par, optimizer)), checkpoint_id=str(tmp),
+            future = dcp.async_save(layout_state(par, optimizer), checkpoint_id=str(tmp),
                                     process_group=group, no_dist=not ctx.distributed,
-                                    async_stager=AlreadyStaged())
+                                    async_stager=stager or HostStager())
+            # a staging still in flight (CUDA copies) makes DCP answer with both futures
+            future = getattr(future, "upload_completion", future)
     if ctx.is_main and future is not None:  # hash off the main thread too
         future = _then(future, lambda: _manifest(tmp))
     return PendingSave(step, tmp, final, future)

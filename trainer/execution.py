@@ -50,6 +50,7 @@ class Plain:
                 norm = None if overflow else par.clip_grad_norm_(tr.cfg.train.grad_clip)
                 diverged, stop = tr.agree(loss + aux, norm)
             if not (overflow or diverged):  # a skip leaves weights, optimizer state and schedule
+                tr.stager.fence()  # an async save's copies of them are done first (on the GPU)
                 tr.optimizer.step()
                 tr.sched.step()
                 par.update_router_bias(tr.cfg.moe.bias_update_rate)
@@ -147,6 +148,7 @@ class ParameterServer(Plain):
     def train(self, tr, n: int, scale: float, rec: dict) -> StepResult:
         """Pull (waiting as the consistency rule says), forward, backward, push; the servers
         step the optimizer. The loss returned is the mean over workers (s = 0) or its own."""
+        tr.stager.fence()  # the pull writes the weights an async save may still be copying
         rec["ps_staleness"] = self.client.pull(n)
         loss, aux, stats = self._forward_backward(tr, tr.next_batch(), 1.0)
         asked = tr.stop_request is not None and tr.stop_request.requested

@@ -16,6 +16,8 @@ import models
 from moe.aux import reset_balance_windows
 from moe.stats import merge_stats
 
+from parallel.staging import HostStager
+
 from . import checkpoint
 from .config import to_dict
 from .distributed import all_agree, any_rank
@@ -48,6 +50,7 @@ class Trainer:
         self.replay = replay  # router_record.RoutingRecord (moe.router_replay; the train split), or None
         self.save_group = save_group  # checkpoint.async_save: the gloo group DCP writes with
         self.saving = None  # checkpoint.PendingSave in flight (async), or None
+        self.stager = HostStager()  # the async save's host buffers, kept across saves
 
     @property
     def rows_per_rank(self) -> int:
@@ -211,7 +214,7 @@ class Trainer:
         self.finish_save()  # at most one save in flight
         background = self.cfg.checkpoint.async_save
         self.saving = checkpoint.begin_save(self.ctx, self.cfg.run.dir, n, self.par, self.optimizer,
-                                            state, background, self.save_group)
+                                            state, background, self.save_group, self.stager)
         if not background:
             self.finish_save()
         else:

@@ -61,9 +61,11 @@ def slice_shards(flat_L: torch.Tensor, local_shape, start: int, global_shape, of
     return _sharded(pieces, global_shape) if pieces else None
 
 
-def pieces_to_host(st: ShardedTensor) -> ShardedTensor:
-    """A copy of a slice_shards tensor in host memory (what an async save writes from)."""
-    pieces = [(s.metadata.shard_offsets, s.tensor.to("cpu", copy=True)) for s in st.local_shards()]
+def pieces_to_host(st: ShardedTensor, copy=None) -> ShardedTensor:
+    """A copy of a slice_shards tensor in host memory (what an async save writes from);
+    copy(tensor, i) makes piece i's copy (default: a plain one)."""
+    copy = copy or (lambda t, i: t.to("cpu", copy=True))
+    pieces = [(s.metadata.shard_offsets, copy(s.tensor, i)) for i, s in enumerate(st.local_shards())]
     return _sharded(pieces, st.metadata().size)
 
 
