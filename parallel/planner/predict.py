@@ -12,7 +12,7 @@ from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
 from .step_time import (a2a_by_node, comm_seconds, expert_gemm_slowdown, exposed_a2a_seconds,
-                        fp8_gemm_time, hideable_seconds, paired_shares,
+                        fp8_gemm_time, hideable_seconds, paired_shares, predicted_hidden,
                         host_seconds, node_size, stage_seconds, wire_bytes)
 
 
@@ -141,7 +141,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
             flops, comm_s,
-            stage_seconds(timed, comm_s, out.bubble, hw),
+            stage_seconds(timed, comm_s, out.bubble, hw, predicted_hidden(hidden)),
             stage_seconds(timed, comm_s, out.bubble, hw, hidden),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden)))
     out.step_s = max(s.step_s for s in out.stages)

@@ -186,7 +186,8 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
               + (", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(comm.items())) or "none"),
               *([f"expert all-to-all {_a2a(p)[0] * 1e3:.4g} ms a step, {_a2a(p)[1] * 1e3:.4g} ms of it "
                  f"exposed with the overlap (busiest stage)"] if _a2a(p)[0] else []),
-              f"step {p.step_s * 1e3:.4g} ms (no overlap) .. {p.step_s_min * 1e3:.4g} ms (overlap), "
+              f"step {p.step_s * 1e3:.4g} ms predicted (.. {p.step_s_min * 1e3:.4g} ms with every "
+              f"overlap hiding all it can), "
               f"bubble {p.bubble:.2f}, {p.tokens_per_s:.4g} tokens/s, "
               f"{p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {_mfu(p)}",
               "checkpoint save: each rank writes its own slices and shards (nothing gathered; "

@@ -6,13 +6,13 @@ The exhaustive search (report.plan_all) predicts every candidate of enumerate.py
 form, pp, ep, etp), then by pipeline schedule and micro-batches; every layout of a group runs
 at least the group's bound
 
-    bound = (C + A_in) / (1 - bubble) + A_out + G   (seconds; <= the predicted step_s, an upper bound)
+    bound = (C + A_in) / (1 - bubble) + A_out + G   (seconds; <= the predicted step_s)
     C = the sum of all ranks' training FLOPs without recomputation (flops.model_flops with the
         routing imbalance under ep) / world / achievable FLOP/s: the mean stage's compute
         (under precision=fp8 all of it at the FP8 rate: step_time.fp8_gemm_time)
     A = the mean stage's traffic (structure_seconds: comm.py's expert all-to-all, expert-
         tensor, tensor- and context-parallel payloads of the whole model with recompute off,
-        over pp) on the wire, at the intra-node bandwidth where the group can lie in one
+        over pp; the all-to-all left out under an all-to-all overlap) on the wire, at the intra-node bandwidth where the group can lie in one
         node's consecutive ranks ((size-1) stride + 1 <= gpus per node), else inter; A_in
         the part step_time surely stretches by the bubble (inside_seconds), A_out the rest
     bubble = the group's schedule bubble (structures: the smallest of their schedules')
@@ -251,11 +251,12 @@ def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> tuple:
     inside the step whatever other dims its group serves: ledger.classify): pipeline
     send/recv, the expert all-to-alls (not under 2.5d, whose depth group may be the ep
     group), tensor-parallel traffic but its reductions; rest: the others (context-parallel
-    traffic runs after the stretch)."""
+    traffic runs after the stretch). Under an all-to-all overlap (step_time.a2a_overlapped)
+    the expert all-to-all is left out: the prediction hides up to all of it."""
     from collections import Counter
 
     from .comm import _context, _experts, _grid_tensor, _pipeline, _tensor
-    from .step_time import _WIRE
+    from .step_time import _WIRE, a2a_overlapped
     q = plan.tp_grid or 1
     sizes = {"pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "etp": plan.etp, "cp": plan.cp,
              "tpc": q, "tpr": q, "tpd": plan.tp_depth}
@@ -278,7 +279,11 @@ def inside_seconds(w, plan, state, hw, pipeline: bool = True) -> tuple:
 
     ep_link = {"ep@intra": hw.intra_bw_gbs, "ep@inter": hw.inter_bw_gbs}  # expert_nodes.py
 
+    hides_a2a = a2a_overlapped(w, plan)   # the prediction may hide all of it: left out
+
     def book(collective, dim, nbytes, calls=1):   # calls' latency left out: a lower bound
+        if hides_a2a and collective == "a2a" and (dim in ep_link or dim == "ep"):
+            return
         if dim in ep_link:
             total[0] += nbytes * _WIRE[collective](sizes["ep"]) / (ep_link[dim] * 1e9)
         elif dim in sizes:

@@ -24,7 +24,12 @@
                depth sums, other) + t_host
   step time  = the slowest pipeline stage; throughput = global tokens / step time
 The micro-batch work is stretched by the pipeline bubble; the data-parallel reductions run
-once per step after it. That is the upper bound (step_s), used to rank layouts.
+once per step after it. Nothing hidden, that is the upper bound.
+
+The prediction (step_s, used to rank layouts) takes off what moekit's own all-to-all overlap
+hides (moe.a2a_overlap_degree > 1, parallel.a2a_overlap=1f1b: the share below, run beside
+compute as far as the compute lasts); without one it is the upper bound. tokens_per_s,
+tflops_per_gpu and mfu are at step_s, so the overlap's predicted gain is theirs too.
 
 Lower bound (step_s_min): what runs beside compute in this toolkit may hide behind it --
   expert all-to-all     with moe.a2a_overlap_degree = d > 1, all but 1/d of it (the first
@@ -133,6 +138,20 @@ def paired_shares(plan, microbatches: int) -> list:
     from ..pipeline.overlap import paired_counts
     counts = paired_counts(plan.pp_schedule, plan.pp, microbatches, plan.stages_per_rank)
     return [c / (microbatches * plan.stages_per_rank) for c in counts or [0] * plan.pp]
+
+
+def a2a_overlapped(w, plan) -> bool:
+    """Whether the layout overlaps the expert all-to-all with compute (moe.a2a_overlap_degree
+    > 1 or parallel.a2a_overlap=1f1b): the prediction then hides its hideable share."""
+    d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
+    return d > 1 or plan.a2a_overlap == "1f1b"
+
+
+def predicted_hidden(hidden: dict) -> dict:
+    """What the prediction (step_s) hides of the lower bound's hideable seconds: the expert
+    all-to-all's share that moekit's own overlap runs beside compute (moe.a2a_overlap_degree,
+    parallel.a2a_overlap); FSDP2's gathers and offload's copies stay in the bound only."""
+    return {k: v for k, v in hidden.items() if k == "expert_all_to_all"}
 
 
 def hideable_seconds(comm_s: dict, plan, overlap_degree: int, paired: float = 0.0) -> dict:

@@ -107,3 +107,32 @@ def test_a_group_stays_while_any_of_its_leanest_variants_may_fit(gshard, monkeyp
                                 (3,), ("none", "full"), ("none",), (False, True), 8)
     assert 8 in seen and 0 in seen        # hpZ over the node's 8 ranks, and without it
     assert groups and all(g is not None for g in groups), groups
+
+
+@pytest.mark.parametrize("over, layout", [
+    (["moe.a2a_overlap_degree=4"], dict(dp=8, ep=8)),
+    (["moe.a2a_overlap_degree=4"], dict(dp=4, ep=4, pp=2, microbatches=8)),
+    (["train.micro_batch_size=1"], dict(dp=8, ep=8, a2a_overlap="1f1b")),
+])
+def test_bounds_stay_below_predictions_that_hide_the_all_to_all(over, layout):
+    """Under an all-to-all overlap the prediction takes off what it hides (step_time.py), so
+    the search's bounds leave the all-to-all out (else a bound could exceed the prediction
+    and drop a layout from the top list)."""
+    from parallel.planner import predict
+    cfg = load_config(str(ROOT / "configs" / "gshard_gpt.toml"), over)
+    w = workload_from_config(cfg)
+    hw = preset("h100")
+    plan = w.validate(dataclasses.replace(cfg.parallel, **layout), 8)
+    costs = model_costs(w.build_model(), w)
+    p = predict(w, plan, hw, costs, StateCache(w.build_model))
+    alone = predict(w, w.validate(dataclasses.replace(plan, a2a_overlap="none"), 8) if
+                    plan.a2a_overlap == "1f1b" else plan, hw, costs, StateCache(w.build_model))
+    assert p.rank0().comm_s["expert_all_to_all"] > 0
+    sizes = state_bytes(w.build_model())
+    assert variant_bound(w, plan, costs, hw, sizes, _stage_blocks(w, plan)) <= p.step_s * (1 + 1e-9)
+    s = {k: getattr(plan, k) for k in ("dp", "tp", "tp_mode", "tp_depth", "pp", "cp", "cp_mode", "ep", "etp")}
+    compute_s = model_flops(costs, w, w.imbalance) / (hw.tflops * 1e12) / 8
+    zero_variants = variants(s, KW["zeros"], KW["offloads"], KW["zeropp"], 8)
+    assert structure_bound(w, plan, s, hw, sizes, compute_s, zero_variants) <= p.step_s * (1 + 1e-9)
+    if plan.a2a_overlap == "1f1b":
+        assert p.step_s < alone.step_s  # the overlap's gain is in the prediction
