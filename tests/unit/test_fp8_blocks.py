@@ -1,10 +1,12 @@
 """Fine-grained FP8 quantization (moe/fp8.py) against hand-computed scales and values: the
 1 x 128 activation tiles, the 128 x 128 weight blocks, e4m3 rounding and its largest value,
-the zero tile, and the emulated GEMM against the fp32 GEMM of the rounded operands."""
+the zero tile, and the emulated GEMM, forward and backward, against a float64 GEMM of operands
+rounded by hand (tests/unit/fp8_reference.py)."""
 import pytest
 import torch
 
-from moe.fp8 import dequantize_blocks, fp8_matmul, qdq_blocks, qdq_cols, qdq_rows, quantize_blocks
+from moe.fp8 import dequantize_blocks, fp8_matmul, qdq_blocks, qdq_rows, quantize_blocks
+from tests.unit.fp8_reference import BLOCKS, COLS, ROWS, e4m3, fp32_gemm_bound, qdq
 
 
 def test_weight_blocks_scale_by_their_own_amax():
@@ -45,27 +47,45 @@ def test_bank_blocks_are_per_expert_and_odd_dims_are_refused():
         quantize_blocks(torch.randn(128, 200))
 
 
-def test_emulated_gemm_is_the_fp32_gemm_of_the_rounded_operands_backward_too():
+def test_hand_e4m3_rounding_is_e4m3():
+    """The reference's rounding (tests/unit/fp8_reference.py), written from the format, on
+    values whose e4m3 neighbours are known: normal spacing 2^(e-3), ties to even, the
+    subnormals spaced 2^-9, the largest value 448."""
+    v = torch.tensor([448.0, 1.06, 1.07, 300.0, 1.0625, 1.1875, 2.0 ** -9 * 0.6, 2.0 ** -9 * 0.4,
+                      -0.0703125, 17.0, 19.0])
+    want = [448.0, 1.0, 1.125, 288.0, 1.0, 1.25, 2.0 ** -9, 0.0, -0.0703125, 16.0, 20.0]
+    assert e4m3(v).tolist() == want
+    assert v.to(torch.float8_e4m3fn).float().tolist() == want     # torch's cast agrees
+
+
+def test_emulated_gemm_is_the_gemm_of_the_hand_rounded_operands_backward_too():
     """Forward: x per 1 x 128 tile, w per 128 x 128 block. Backward (DeepSeek-V3's): dx from
     dy tiled 1 x 128 along N against the same blocks; dw from x and dy tiled 128 x 1 along T.
-    T = 200 leaves a partial tile along T (padded with zeros for its amax)."""
+    T = 200 leaves a partial tile along T (its own scale). The expectation is
+    tests/unit/fp8_reference.py: scales amax / 448 and e4m3 rounding written out per tile,
+    dequantized and multiplied in float64 -- nothing of moe/fp8.py or moe/wire.py. Allowed:
+    fp32 rounding only (the emulation dequantizes and accumulates in fp32: fp32_gemm_bound,
+    about 1.5e-5 of |a| |b| at K = 256); one FP8 rounding wrong anywhere (a bf16 backward, a
+    wrong tile, scale or constant) moves elements by up to 2^-4 of their terms."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 256, generator=g, requires_grad=True)
     w = torch.randn(256, 128, generator=g, requires_grad=True)
     y = fp8_matmul(x, w)
-    want = qdq_rows(x.detach()) @ qdq_blocks(w.detach())
-    assert torch.equal(y.detach(), want)
-    rel = (y.detach() - x.detach() @ w.detach()).norm() / (x.detach() @ w.detach()).norm()
+    xd, wd = x.detach(), w.detach()
+    qx, qw = qdq(xd, ROWS), qdq(wd, BLOCKS)
+    err = (y.detach().double() - qx @ qw).abs()
+    assert (err <= fp32_gemm_bound(qx.abs(), qw.abs())).all(), err.max().item()
+    rel = (y.detach() - xd @ wd).norm() / (xd @ wd).norm()
     assert 1e-3 < rel < 0.06                 # e4m3: 3 mantissa bits, a few per cent per GEMM
     dy = torch.randn(200, 128, generator=g)
     y.backward(dy)
-    assert torch.equal(x.grad, qdq_rows(dy) @ qdq_blocks(w.detach()).mT)
-    assert torch.equal(w.grad, qdq_cols(x.detach()).mT @ qdq_cols(dy))
-    # by hand: column k of x along T is its own tiles: rows 0-127 and 128-199 scale apart
-    col = x.detach()[:, 3].clone()
-    assert torch.equal(qdq_cols(x.detach())[:128, 3], qdq_rows(col[None, :128])[0])
-    assert torch.equal(qdq_cols(x.detach())[128:, 3], qdq_rows(col[None, 128:])[0])
-    assert (w.grad - x.detach().mT @ dy).norm() / (x.detach().mT @ dy).norm() < 0.06
+    qdy = qdq(dy, ROWS)
+    err = (x.grad.double() - qdy @ qw.T).abs()
+    assert (err <= fp32_gemm_bound(qdy.abs(), qw.abs().T)).all(), ("dx", err.max().item())
+    qxc, qdyc = qdq(xd, COLS), qdq(dy, COLS)
+    err = (w.grad.double() - qxc.T @ qdyc).abs()
+    assert (err <= fp32_gemm_bound(qxc.abs().T, qdyc.abs())).all(), ("dw", err.max().item())
+    assert (w.grad - xd.mT @ dy).norm() / (xd.mT @ dy).norm() < 0.06
 
 
 def test_emulated_gemm_ignores_autocast_and_returns_the_input_dtype():

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from moe.experts import ExpertBank
-from moe.fp8 import fp8_matmul, qdq_blocks, qdq_rows
+from moe.fp8 import fp8_matmul
+from tests.tolerance import max_rel_err
+from tests.unit.fp8_reference import HandFP8Matmul
 
 pytestmark = pytest.mark.lowp
 U_E4M3 = 2.0 ** -4     # e4m3's unit roundoff: 3 mantissa bits, round to nearest
@@ -74,37 +76,95 @@ def test_one_fp8_gemm_is_within_the_rounding_bound_of_the_exact_one():
     assert rel < U_E4M3
 
 
+class _SameForward(torch.autograd.Function):
+    """fp8_matmul's own forward (bit for bit, so the whole forward is the FP8 run's) with
+    another backward: `hand` DeepSeek-V3's FP8 backward written out in
+    tests/unit/fp8_reference.py, `bf16` the unquantized operands in bf16, fp32 sums."""
+
+    @staticmethod
+    def forward(ctx, x, w, kind):
+        ctx.save_for_backward(x, w)
+        ctx.kind = kind
+        with torch.no_grad():
+            return fp8_matmul(x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        if ctx.kind == "hand":
+            dx, dw, _ = HandFP8Matmul.backward(ctx, dy)
+            return dx, dw, None
+        with torch.autocast(dy.device.type, enabled=False):
+            dx = dy.bfloat16() @ w.bfloat16().mT
+            dw = x.bfloat16().mT @ dy.bfloat16()
+        return dx.to(x.dtype), dw.to(w.dtype), None
+
+
+def _loss_and_grads(precision, tokens, backward=None):
+    """One batch through the default model in `precision` (fp8: the banks' backward replaced
+    by _SameForward's `backward` where given): (loss, {name: grad}, names of bank weights)."""
+    import moe.experts as experts
+    from models.build import init_weights
+    from parallel.fp8 import apply_fp8
+    from parallel.precision import apply_precision
+    model = _model()
+    apply_precision(model, precision)
+    if precision == "fp8":
+        apply_fp8(model, "tensorwise")
+    init_weights(model, 0)
+    real = experts.fp8_matmul
+    if backward is not None:
+        experts.fp8_matmul = lambda x, w: _SameForward.apply(x, w, backward)
+    try:
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    finally:
+        experts.fp8_matmul = real
+    banks = [f"{n}.{w}" for n, m in model.named_modules() if isinstance(m, ExpertBank)
+             for w, _ in m.named_parameters()]
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None}, banks
+
+
 def test_whole_model_fp8_against_bf16_loss_and_gradients():
     """The default model on one batch (cross-entropy of its logits): FP8's loss within 2% of
     bf16's, every parameter's gradient within cosine 0.95 of bf16's and the routers' within
     0.90 (the stated drift: each GEMM on a path rounds both operands by up to u = 6%; a
     router's gradient is a difference of expert outputs, each off by that rounding, so it is
     the noisiest. Measured: cosine 0.97-0.99 for the GEMM weights, 0.93 and 0.96 for the two
-    routers)."""
-    from parallel.fp8 import apply_fp8
-    from parallel.precision import apply_precision
+    routers).
+    That drift cannot tell an FP8 backward from a bf16 one (forward rounding dominates it:
+    a bf16 backward also measures cosine > 0.97), so the banks' backward is held to two
+    counterfactual runs of the same FP8 forward, bit for bit, with only the banks' backward
+    swapped (_SameForward): every bank weight's gradient is within 2^-6 (norm-relative) of
+    the run whose backward is the hand-written FP8 one (fp32 against float64 sums, and the
+    e4m3 roundings those flip upstream; measured <= 2.3e-3) and more than 2^-6 from the run
+    with a bf16 backward (FP8's rounding of both operands, u = 2^-4, against bf16's 2^-8:
+    measured 3.5e-2 to 7.1e-2; a bf16 backward is 0 there). The last FP8 GEMM's weight
+    gradient (blocks.3 experts' w2: the same operands, bit for bit, both ways) matches the
+    hand FP8 backward to 1e-4 of its largest value, sum order only (measured 4e-7; a bf16
+    backward is 4.8e-2 off)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (4, 65))
-    out = {}
-    for precision in ("bf16", "fp8"):
-        from models.build import init_weights
-        model = _model()
-        apply_precision(model, precision)
-        if precision == "fp8":
-            apply_fp8(model, "tensorwise")
-        init_weights(model, 0)
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        out[precision] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                        if p.grad is not None})
-    (lb, gb), (lf, gf) = out["bf16"], out["fp8"]
+    lb, gb, _ = _loss_and_grads("bf16", tokens)
+    lf, gf, banks = _loss_and_grads("fp8", tokens)
     assert abs(lf - lb) <= 0.02 * abs(lb)
     assert gb.keys() == gf.keys()
     for n in gb:
         cos = torch.nn.functional.cosine_similarity(gb[n].flatten(), gf[n].flatten(), dim=0)
         floor = 0.90 if "router" in n else 0.95
         assert cos > floor, (n, cos.item())
+    lh, gh, _ = _loss_and_grads("fp8", tokens, backward="hand")
+    l16, g16, _ = _loss_and_grads("fp8", tokens, backward="bf16")
+    assert lh == lf == l16                      # the same forward, bit for bit
+    assert len(banks) == 8, banks               # w1 and w2 of 2 dense FFNs and 2 MoE layers
+    for n in banks:
+        to_hand = ((gf[n] - gh[n]).norm() / gh[n].norm()).item()
+        to_bf16 = ((gf[n] - g16[n]).norm() / g16[n].norm()).item()
+        assert to_hand <= 2 ** -6 < to_bf16, (n, "from the FP8 backward", to_hand, "from bf16's", to_bf16)
+    last = "blocks.3.ffn.experts.w2"
+    assert last in banks and max_rel_err(gf[last], gh[last]) <= 1e-4, max_rel_err(gf[last], gh[last])
 
 
 @pytest.mark.parametrize("over, words", [
