@@ -20,14 +20,17 @@ Gloo runs each collective on a thread of its own, so the overlap is real here; b
 gloo thread and the compute share 2 CPU cores, so read `waited`, not `step`. The planner's
 rule for the lower bound (parallel/planner/step_time.py): 1f1b hides the share of the
 expert all-to-all that runs inside a forward/backward pair (all but 1/m without a pipeline;
-a pipeline rank's pairs / m v), as far as compute lasts.
+a pipeline rank's pairs / m v), as far as compute lasts. A pipeline runs DualPipe-V (the
+1F1B family's pairs are refused: parallel/plan.py).
 
 Run:  python bench/a2a_overlap.py          (P=2, m=4, S=128, D=256, F=512, E=8, K=2)
-      python bench/a2a_overlap.py --pp 2 --world 4   (pp2 x dp2 x ep2, 1F1B, m=4)
+      python bench/a2a_overlap.py --pp 2 --world 4   (pp2 x dp2 x ep2, DualPipe-V, m=4)
       python bench/a2a_overlap.py --quick  (toy sizes, seconds)
 """
 import argparse
 import os
+
+PIPELINE = "dualpipev"  # the schedule under --pp
 import statistics
 import sys
 import time
@@ -63,6 +66,7 @@ def _worker(rank, world, cfg):
         model, mc, moe = _model(cfg, dev)
         pp, dp = cfg["pp"], world // cfg["pp"]
         plan = ParallelPlan(pp=pp, dp=dp, ep=dp, microbatches=cfg["m"] if pp > 1 else 0,
+                            pp_schedule=PIPELINE if pp > 1 else "1f1b",
                             a2a_overlap=mode).validate(world, mc, moe)
         par = parallelize(model, plan, build_meshes(plan), loss_fn=_loss)
         baton = par.baton or Baton()  # none: the same waits, measured, nothing in between
@@ -111,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="toy sizes, seconds")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (1f1b schedule)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline ranks (DualPipe-V: two stages each)")
     args = ap.parse_args()
     cfg = dict(B=8, S=128, D=256, F=512, E=8, K=2, L=4, m=4, warmup=1, iters=4, pp=args.pp)
     if args.quick:
@@ -130,7 +134,9 @@ def main() -> None:
               f"{results[0][mode]['waits']:>6} {results[0][mode]['handed']:>7}")
     w = max(r["1f1b"]["waited"] for r in results)
     plan = ParallelPlan(pp=args.pp, dp=args.world // args.pp, ep=args.world // args.pp,
-                        microbatches=cfg["m"] if args.pp > 1 else 0, a2a_overlap="1f1b")
+                        microbatches=cfg["m"] if args.pp > 1 else 0,
+                        pp_schedule=PIPELINE if args.pp > 1 else "1f1b",
+                        a2a_overlap="1f1b")
     unpaired = [f"{1 - s:.2f}" for s in paired_shares(plan.validate(args.world), cfg["m"])]
     print(f"1f1b leaves {w / base:.2f} of the waited all-to-all time of none exposed "
           f"(planner's rule, the unpaired share per pipeline rank: {', '.join(unpaired)})")

@@ -64,7 +64,7 @@ class ParallelPlan:
     precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights and router) | fp16 (dynamic loss scaling) | fp8 (bf16 plus FP8 GEMMs: expert banks -- routed, shared, dense FFNs -- in DeepSeek-V3's 1x128-tile / 128x128-block scaling, other Linears of the blocks through torchao float8 with parallel.fp8_recipe; embedding, head, norms and routers stay bf16/fp32; parallel/fp8.py)"})
     fp8_recipe: str = field(default="tensorwise", metadata={"help": "precision=fp8 only: torchao's float8 recipe for the blocks' nn.Linears (attention projections): tensorwise (default; one scale per tensor, the fastest) | rowwise (one scale per row: more accurate with outliers)"})
     param_dtype: str = field(default="fp32", metadata={"help": "parameters and gradients: fp32 | bf16 (held in bf16, 2+2 bytes per parameter, with fp32 master slices and optimizer state in ZeRO-1/2; under ZeRO-3 FSDP2 gathers and reduces in bf16, its fp32 shards the masters: the ZeRO paper's mixed precision, K=12; needs zero 1-3 and precision=bf16; checkpoints keep the fp32 masters)"})
-    a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); under pp > 1 the schedule's neighbouring forward/backward pairs (1f1b, interleaved_1f1b, zb_interleaved, zbv, dualpipev; parallel/pipeline/overlap.py); same function; two micro-batches' activations live at once; needs ep > 1"})
+    a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); under pp > 1 the schedule's neighbouring forward/backward pairs (zbv, dualpipev; the 1F1B family is refused: its pairs delay the next stage; parallel/pipeline/overlap.py); same function; one micro-batch's activations plus the next one's up to its first MoE block (under pp: at least two micro-batch-chunks); needs ep > 1"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward) | selective (only the parts parallel.recompute_modules names)"})
     recompute_modules: Union[str, list] = field(default="", metadata={"help": "recompute=selective: the parts recomputed in backward, a TOML list or comma-separated: core_attn (attention core), layernorm (the norms' outputs), moe_act (the experts' activation), mlp (dense FFNs), mla_up_proj (MLA's up-projections), shared_experts, experts (the routed experts' GEMMs); parallel/recompute.py"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
@@ -624,24 +624,24 @@ def _check_a2a_overlap(p: ParallelPlan, moe_cfg) -> None:
     if p.a2a_overlap == "none":
         return
     unpaired = p.pp > 1 and p.pp_schedule == "gpipe"  # (2bw refuses ep > 1 itself)
+    # a pair's forward ends after the backward's interleaved pieces, and in the 1F1B family
+    # the next stage waits for that output: simulated 1.05-1.4x the plain step until the
+    # exchanges are as long as the compute (parallel/pipeline/simulate.py); the V schedules'
+    # pairs gain from a quarter of it
+    delayed = p.pp > 1 and p.pp_schedule in ("1f1b", "interleaved_1f1b", "zb_interleaved")
     for bad, why in ((p.ep == 1, "parallel.ep=1 has no expert all-to-all to hide; set parallel.ep > 1"),
                      (unpaired, f"parallel.pp_schedule={p.pp_schedule} never runs a forward next to a "
-                                f"backward of another micro-batch; use 1f1b, interleaved_1f1b, "
-                                f"zb_interleaved, zbv or dualpipev"),
+                                f"backward of another micro-batch; use zbv or dualpipev"),
+                     (delayed, f"inside parallel.pp_schedule={p.pp_schedule} each pair's forward output "
+                               f"leaves after the backward's interleaved pieces and the next stage "
+                               f"waits for it (simulated 1.05-1.4x the plain step); use "
+                               f"parallel.pp_schedule=zbv or dualpipev, or moe.a2a_overlap_degree > 1"),
                      (p.ps_servers > 0, "the parameter server runs one micro-batch at a time; set "
                                         "parallel.ps_servers=0"),
                      (getattr(moe_cfg, "a2a_overlap_degree", 1) > 1,
                       "moe.a2a_overlap_degree > 1 waits for its own chunks; use one of the two overlaps")):
         if bad:
             raise _err(f"parallel.a2a_overlap={p.a2a_overlap}: {why} (or parallel.a2a_overlap=none)")
-    # torch's lowering (_add_send_recv) finds no deadlock-free order for the 1F1B family's
-    # forward/backward pairs below 2(pp-1) micro-batches (parallel/pipeline/overlap.py;
-    # every pp 2..8 and microbatches up to 3 pp enumerated)
-    if p.pp > 1 and p.pp_schedule in ("1f1b", "interleaved_1f1b") and p.microbatches < 2 * (p.pp - 1):
-        raise _err(f"parallel.a2a_overlap=1f1b with parallel.pp_schedule={p.pp_schedule}: "
-                   f"parallel.microbatches={p.microbatches} cannot pair forwards with backwards "
-                   f"without a stage waiting on itself; set parallel.microbatches to "
-                   f"{2 * (p.pp - 1)} or more (or parallel.a2a_overlap=none)")
 
 
 def _check_overlap(p: ParallelPlan, moe_cfg) -> None:

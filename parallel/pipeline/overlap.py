@@ -19,10 +19,13 @@ zero-bubble schedules) of different micro-batches, next to each other in the ran
 are independent (a backward needs only its own micro-batch's forwards), so the pair's
 pieces can run in any interleaving; the forwards keep their order and so do the backwards,
 so every micro-batch runs the same operations in the same order as without the overlap and
-gradients accumulate in the same order: the same function, bit for bit. The pair's inputs
-(pipeline receives) are waited for before it starts and its sends go out after it, which
-torch's lowering (`_add_send_recv`) schedules so that no rank waits on a pair that waits
-on it; it refuses an order it cannot schedule.
+gradients accumulate in the same order: the same function, bit for bit. Each half waits for
+its own input (the forward for its activations, the backward for its output gradient; the
+other half runs meanwhile, the baton handed over as at an exchange) and sends its output as
+soon as it ends: a neighbour never waits for this rank's backward to receive its forward
+input, so neighbouring stages do not take turns. torch's lowering (`_add_send_recv`) places
+the receives so that no rank waits on a pair that waits on it (it refuses an order it
+cannot schedule); the sends it puts after a pair are issued by the pair's halves instead.
 
 1f1b itself runs as torch's interleaved 1F1B with one stage per rank (the same order as
 Schedule1F1B, in the runtime that executes schedule IR). Uses torch 2.13's private schedule
@@ -149,38 +152,75 @@ def overlap_schedule(schedule, baton):
     merged = _first_lowering(schedule.pipeline_order, lowers)
     if merged is not None:
         schedule.pipeline_order = merged
-        schedule.register_custom_function(ts.OVERLAP_F_B, lambda action, ctx: _run_pair(baton, action, ctx))
+        _drop_pair_sends(schedule.pipeline_order_with_comms)
+        sends = []   # the halves' sends, waited for at the end of the step (as torch's are)
+        schedule.register_custom_function(
+            ts.OVERLAP_F_B, lambda action, ctx: _run_pair(baton, action, ctx, sends))
+        run = schedule._step_microbatches
+
+        def step(*args, **kwargs):
+            out = run(*args, **kwargs)
+            while sends:
+                ts._wait_batch_p2p(sends.pop())
+            return out
+        schedule._step_microbatches = step
         return schedule
     raise ValueError(f"parallel.a2a_overlap=1f1b: no forward/backward pairing of this schedule's "
                      f"{schedule._n_microbatches} microbatches can be ordered without a rank waiting "
                      f"on itself; raise parallel.microbatches (or parallel.a2a_overlap=none)")
 
 
-def _run_pair(baton, action, ctx) -> None:
+def _drop_pair_sends(order_with_comms: dict) -> None:
+    """Remove, in every rank's lowered order, the sends of the pairs' halves (each half
+    sends its own output as it ends: _forward, _backward)."""
+    for rank, actions in order_with_comms.items():
+        own = set()
+        for a in actions:
+            if a is not None and a.computation_type == ts.OVERLAP_F_B:
+                f, b = a.sub_actions
+                own |= {(ts.SEND_F, f.stage_index, f.microbatch_index),
+                        (ts.SEND_B, b.stage_index, b.microbatch_index)}
+        order_with_comms[rank] = [a for a in actions if a is None or
+                                  (a.computation_type, a.stage_index, a.microbatch_index) not in own]
+
+
+class _Received:
+    """A pipeline receive as the baton waits for it (the other half runs meanwhile)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        ts._wait_batch_p2p(self.works)
+
+
+def _run_pair(baton, action, ctx, sends) -> None:
     sched = ctx.schedule_ref
     stages = {s.stage_index: s for s in sched._stages}
     f, b = action.sub_actions
-    # the pair's inputs from the neighbouring ranks, before either half starts
-    if not stages[f.stage_index].is_first and f.stage_index - 1 not in stages:
-        ts._wait_batch_p2p(sched.fwd_recv_ops.pop((f.stage_index, f.microbatch_index)))
-    if not stages[b.stage_index].is_last and b.stage_index + 1 not in stages:
-        ts._wait_batch_p2p(sched.bwd_recv_ops.pop((b.stage_index, b.microbatch_index)))
-    baton.pair(lambda: _forward(sched, stages, f, ctx), lambda: _backward(sched, stages, b))
+    baton.pair(lambda: _forward(sched, stages, f, ctx, baton, sends),
+               lambda: _backward(sched, stages, b, baton, sends))
 
 
-def _forward(sched, stages, a, ctx) -> None:
-    """What the runtime does for a FORWARD action once its input has arrived."""
+def _forward(sched, stages, a, ctx, baton, sends) -> None:
+    """What the runtime does for RECV_F's wait, FORWARD and SEND_F (or the local hand-over)."""
     stage, mb = stages[a.stage_index], a.microbatch_index
+    if not stage.is_first and a.stage_index - 1 not in stages:
+        baton.wait(_Received(sched.fwd_recv_ops.pop((a.stage_index, mb))), count=False)
     out = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=True)
     sched._maybe_compute_loss(stage, out, ctx.target_mbs, mb)
     if a.stage_index + 1 in stages:  # the V's two ends on one rank: handed over locally
         stages[a.stage_index + 1].set_local_fwd_input(out, mb)
+    elif not stage.is_last:
+        sends.append(ts._batch_p2p(stage.get_fwd_send_ops(mb)))
 
 
-def _backward(sched, stages, a) -> None:
-    """What the runtime does for a FULL_BACKWARD / BACKWARD_INPUT action once its output
-    gradient has arrived."""
+def _backward(sched, stages, a, baton, sends) -> None:
+    """What the runtime does for RECV_B's wait, FULL_BACKWARD / BACKWARD_INPUT and SEND_B
+    (or the local hand-over)."""
     stage, mb = stages[a.stage_index], a.microbatch_index
+    if not stage.is_last and a.stage_index + 1 not in stages:
+        baton.wait(_Received(sched.bwd_recv_ops.pop((a.stage_index, mb))), count=False)
     full = a.computation_type == ts.FULL_BACKWARD
     last = False
     if full:  # the runtime counts whole backwards (and weight halves) to find the last one
@@ -190,3 +230,5 @@ def _backward(sched, stages, a) -> None:
                              last_backward=last)
     if a.stage_index - 1 in stages:
         stages[a.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+    elif not stage.is_first:
+        sends.append(ts._batch_p2p(stage.get_bwd_send_ops(mb)))

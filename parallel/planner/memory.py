@@ -23,7 +23,8 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
                          + 5 D per cross-attention
   dense FFN              2 D + 2 F (3 F gated)
   MoE FFN                2 D + 2 E fp32 (router logits/probs)
-                         + r K (3 D + 2 F_e (3 F_e gated))   dispatched rows
+                         + r K (2 D + 2 F_e (3 F_e gated))   dispatched rows: the experts'
+                         input and the combine's saved output (etp: (1 + etp) D)
                          + 2 F_s (3 F_s gated)   shared experts, F_s = their d_ff in all
   with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
   recompute=full keeps D per block and rebuilds one block at a time in backward.
@@ -44,8 +45,13 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
   The last stage adds the loss: logits, their fp32 copy/log-softmax and gradient, 3 x 4
   bytes per vocabulary entry per token (vocabulary gathered: not divided by tp).
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
+  a2a_overlap=1f1b: without pp one micro-batch plus the blocks the next one's forward
+  builds before its first expert all-to-all (through the first MoE block); under pp
+  at least two micro-batch-chunks.
 Phases (each on top of params + optimizer state):
-  forward end     activations (+ 2bw's stashed weight version or pending gradient;
+  forward end     activations (+ autocast's 16-bit copies of the GEMM weights under
+                  precision bf16/fp16 with fp32 parameters, fp8: those outside the blocks;
+                  + 2bw's stashed weight version or pending gradient;
                   + zero 3: 1 + max(1, parallel.zero_prefetch) gathered FSDP units, this
                   one and those prefetched;
                   + the gradients when earlier micro-batches of the step made them)
@@ -149,9 +155,10 @@ def block_act_elems(w, i: int, stream: str, plan) -> float:
         if plan.ep > 1 and moe.capacity_factor:
             r = min(r, moe.capacity_factor)
         hidden = (3 if w.gated else 2) * w.expert_d_ff
-        # per routed row: its input and output D and the expert's hidden; under etp each
-        # rank holds the etp rows of its group (etp x D) with 1/etp of the hidden each
-        out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * ((2 + plan.etp) * D + hidden)
+        # per routed row: the experts' input D (the grouped FFN's saved x) and output D (the
+        # weighted combine's saved y), and the expert's hidden; under etp each rank holds the
+        # etp rows of its group (etp x D) with 1/etp of the hidden each
+        out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * ((1 + plan.etp) * D + hidden)
         out += (3 if w.gated else 2) * _shared_d_ff(w)
     else:
         out += 2 * D + (3 if w.gated else 2) * m.d_ff
@@ -242,16 +249,39 @@ def activations(w, plan, state, stage: int) -> Activations:
         rebuild = max((f - k for k, f in per_block.values()), default=0)
     chunks = plan.stages_per_rank
     flight = in_flight(plan.pp_schedule, plan.pp, plan.microbatches, stage, chunks)
-    if plan.a2a_overlap == "1f1b":  # the forward of i+1 runs while i's activations are held
+    lead = 0
+    if plan.a2a_overlap == "1f1b" and plan.pp == 1:
+        # the forward of i+1 runs beside the backward of i, the baton changing hands at every
+        # expert all-to-all (parallel/interleave.py): the backward frees a block for each
+        # block the forward builds, so i+1 is ahead by what it builds before its first
+        # exchange: the blocks up to and including the first MoE one (measured, dp2 ep2
+        # 6 MoE blocks: +0.2 of a micro-batch, not +1)
+        for (_, i), (k, _) in per_block.items():
+            lead += k
+            if w.is_moe_block(i):
+                break
+    elif plan.a2a_overlap == "1f1b":  # a pipeline's pairs: at least two micro-batch-chunks
         flight = max(flight, 2)
     per_chunk = kept / chunks
     loss = 0
     if state.last_stage:
         S_out = w.stream_tokens["decoder"]
         loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
-    total = int(per_chunk * flight + rebuild + loss)
+    total = int(per_chunk * flight + lead + rebuild + loss)
     passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
     return Activations(int(kept), flight, loss, total, passes, fp8_copy_bytes(w, plan))
+
+
+def autocast_copy_bytes(state, plan) -> int:
+    """precision=bf16/fp16 (fp8: outside the blocks, whose GEMMs run in FP8) with fp32
+    parameters: autocast's 16-bit copy of every GEMM weight (and the expert banks' copy,
+    kept across micro-batches: moe/experts.py), saved by the GEMMs for their backward, so
+    alive at the forward's end; none when the parameters are already 16-bit
+    (parallel.param_dtype=bf16) or in fp32 runs."""
+    if plan.precision not in ("bf16", "fp16", "fp8") or plan.param_dtype != "fp32":
+        return 0
+    blocks, rest = state.matmul_bytes
+    return (rest if plan.precision == "fp8" else blocks + rest) // 2
 
 
 def fp8_copy_bytes(w, plan) -> int:
@@ -289,7 +319,8 @@ def peak_bytes(state, plan, acts: Activations, optimizer="adamw") -> dict:
     base = ms["params"].get(DEVICE, 0) + ms["optimizer"].get(DEVICE, 0)
     full_grads = state.params.bytes
     held = sum(ms["grads"].values())  # produced on the device before any move to the host
-    forward = base + acts.total + acts.fp8_copies + hpz_held_bytes(state) + stashed_bytes(state, plan)
+    forward = base + acts.total + acts.fp8_copies + hpz_held_bytes(state) + stashed_bytes(state, plan) \
+        + autocast_copy_bytes(state, plan)
     if acts.microbatches > 1:  # later micro-batches run forward with earlier ones' gradients
         forward += full_grads if plan.zero != 3 else held
     if plan.zero == 3 and state.fsdp_units:

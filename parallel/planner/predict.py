@@ -12,7 +12,8 @@ from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
 from .step_time import (a2a_by_node, comm_seconds, expert_gemm_slowdown, exposed_a2a_seconds,
-                        fp8_gemm_time, hideable_seconds, paired_shares, predicted_hidden,
+                        fp8_gemm_time, hideable_seconds, paired_shares, pipeline_pairing,
+                        predicted_hidden,
                         host_seconds, node_size, stage_seconds, wire_bytes)
 
 
@@ -137,12 +138,15 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)
         hidden = hideable_seconds(comm_s, plan, d, paired[stage])
+        step_s = stage_seconds(timed, comm_s, out.bubble, hw, predicted_hidden(hidden, plan),
+                               pipeline_pairing(plan, micro_count(w, plan), timed, comm_s, hw,
+                                                sum(map(w.is_moe_block, state.block_ids))))
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
-            flops, comm_s,
-            stage_seconds(timed, comm_s, out.bubble, hw, predicted_hidden(hidden)),
-            stage_seconds(timed, comm_s, out.bubble, hw, hidden),
+            flops, comm_s, step_s,
+            # the bound never above the prediction (a simulated pairing may gain more)
+            min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)

@@ -88,6 +88,8 @@ class RankState:
                                     # it} (params replicated there: their Partial gradients)
     groups: dict                    # group_dims(meshes)
     muon: tuple = (None, None)      # MuonFacts without and with ZeRO-1/2 slices (muon_facts)
+    matmul_bytes: tuple = (0, 0)    # (the blocks', the rest's) weights GEMMs read (Linear
+                                    # weights, expert banks), as gathered for the forward
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,29 @@ def _read(par, plan, rank) -> RankState:
                      _nbytes(local(par.tied.param)) if tied else 0,
                      max((_nbytes(local(p)) for p in model.parameters()), default=0),
                      _replicated_tp(model), _grid_grad_sums(model), groups,
-                     _muon_facts(par, groups))
+                     _muon_facts(par, groups), _matmul_bytes(model, plan))
+
+
+def _matmul_bytes(model, plan) -> tuple:
+    """(blocks, rest): bytes of the weights GEMMs read in the forward, in the transformer
+    blocks and outside them (the head, tied or not): every Linear's weight and the expert
+    banks, at their local size (ZeRO-3: x the FSDP group the dense or expert side is sharded
+    over, gathered for the forward)."""
+    from torch import nn
+
+    from ..kinds import is_expert_param
+    seen, total = set(), [0, 0]
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            gemm = (isinstance(mod, nn.Linear) and pname == "weight") or is_expert_param(name)
+            if gemm and id(p) not in seen:
+                seen.add(id(p))
+                gathered = 1
+                if plan.zero == 3:
+                    gathered = plan.edp if is_expert_param(name) else plan.replicas
+                total["blocks" not in name.split(".")] += _nbytes(local(p)) * gathered
+    return tuple(total)
 
 
 def muon_facts(state, plan):

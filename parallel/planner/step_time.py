@@ -27,8 +27,10 @@ The micro-batch work is stretched by the pipeline bubble; the data-parallel redu
 once per step after it. Nothing hidden, that is the upper bound.
 
 The prediction (step_s, used to rank layouts) takes off what moekit's own all-to-all overlap
-hides (moe.a2a_overlap_degree > 1, parallel.a2a_overlap=1f1b: the share below, run beside
-compute as far as the compute lasts); without one it is the upper bound. tokens_per_s,
+hides (moe.a2a_overlap_degree > 1, parallel.a2a_overlap=1f1b without a pipeline: the share
+below, run beside compute as far as the compute lasts); inside a pipeline the pairs' effect
+is the ratio of two simulated schedules, with and without them (pipeline_pairing: it may
+be a cost); without an overlap it is the upper bound. tokens_per_s,
 tflops_per_gpu and mfu are at step_s, so the overlap's predicted gain is theirs too.
 
 Lower bound (step_s_min): what runs beside compute in this toolkit may hide behind it --
@@ -51,6 +53,8 @@ Tensor-parallel collectives, pipeline send/recv, ZeRO-0/1/2 gradient reductions 
 after backward), the gradient-norm all-reduce and offload's gradient copies stay exposed.
 The truth on a GPU lies between the two bounds; neither is a measurement.
 """
+import dataclasses
+
 from ..mesh import rank_groups
 from .hardware import GEMM_EFFICIENCY, Hardware, call_seconds, gemm_efficiency
 from .memory import micro_seqs
@@ -117,15 +121,41 @@ def exposed_a2a_seconds(flops: float, comm_s: dict, hw: Hardware, hidden: dict) 
     return total - hidden.get("expert_all_to_all", 0.0) * min(1.0, t_compute / can)
 
 
-def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidden=None) -> float:
+def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidden=None,
+                  pipelined: float = 1.0) -> float:
     """One stage's step time; hidden ({kind: seconds}, hideable_seconds) run under compute:
-    none for the upper bound, hideable_seconds for the lower one."""
+    none for the upper bound, hideable_seconds for the lower one. pipelined: what scales
+    the micro-batch work stretched by the bubble (pipeline_pairing)."""
     hidden = hidden or {}
     exposed = {k: v - hidden.get(k, 0.0) for k, v in comm_s.items()}
     t_compute = flops / (hw.tflops * 1e12)
     inside = sum(v for k, v in exposed.items() if k in INSIDE_STEP)
     after = sum(v for k, v in exposed.items() if k not in INSIDE_STEP)
-    return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) + after
+    return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) * pipelined + after
+
+
+def pipeline_pairing(plan, microbatches: int, flops: float, comm_s: dict, hw: Hardware,
+                     moe_layers: int) -> float:
+    """parallel.a2a_overlap=1f1b under pp > 1: the step of the schedule with the overlap's
+    pairs over the one without, both simulated (parallel/pipeline/simulate.py) at this
+    stage's costs: per micro-batch-chunk a forward of 1/3 and a backward of 2/3 of its
+    compute and other in-step traffic, half of its expert all-to-all each, in moe_layers
+    exchanges. Below 1 the pairs gain; above 1 they cost (a pair's forward ends after the
+    backward's interleaved pieces, which its neighbour waits for). 1.0 without the pairs."""
+    if plan.a2a_overlap != "1f1b" or plan.pp == 1 or microbatches < 2:
+        return 1.0
+    from ..pipeline.simulate import StepCost, simulate
+    chunks = microbatches * plan.stages_per_rank
+    a2a = comm_s.get("expert_all_to_all", 0.0)
+    work = flops / (hw.tflops * 1e12) + sum(v for k, v in comm_s.items()
+                                            if k in INSIDE_STEP and k != "expert_all_to_all")
+    if not a2a or not work:
+        return 1.0
+    cost = StepCost(f=work / 3 / chunks, b=2 * work / 3 / chunks, a_f=a2a / 2 / chunks,
+                    a_b=a2a / 2 / chunks, layers=max(1, round(moe_layers / plan.stages_per_rank)))
+    args = (plan.pp_schedule, plan.pp, microbatches, plan.stages_per_rank)
+    ratio = simulate(*args, dataclasses.replace(cost, paired=True)) / simulate(*args, cost)
+    return max(ratio, work / (work + a2a))  # at best as if there were no all-to-all at all
 
 
 def paired_shares(plan, microbatches: int) -> list:
@@ -147,10 +177,13 @@ def a2a_overlapped(w, plan) -> bool:
     return d > 1 or plan.a2a_overlap == "1f1b"
 
 
-def predicted_hidden(hidden: dict) -> dict:
+def predicted_hidden(hidden: dict, plan) -> dict:
     """What the prediction (step_s) hides of the lower bound's hideable seconds: the expert
     all-to-all's share that moekit's own overlap runs beside compute (moe.a2a_overlap_degree,
-    parallel.a2a_overlap); FSDP2's gathers and offload's copies stay in the bound only."""
+    parallel.a2a_overlap without a pipeline; a pipeline's pairs are priced by simulation
+    instead: pipeline_pairing); FSDP2's gathers and offload's copies stay in the bound only."""
+    if plan.pp > 1 and plan.a2a_overlap == "1f1b":
+        return {}
     return {k: v for k, v in hidden.items() if k == "expert_all_to_all"}
 
 

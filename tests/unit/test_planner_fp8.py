@@ -50,9 +50,11 @@ def test_only_the_blocks_gemms_run_at_the_fp8_rate():
 
 def test_fp8_prediction_is_faster_and_holds_one_gemms_copies():
     """The default model on one H100: FP8 shortens the step; its peak adds the widest GEMM's
-    e4m3 + fp32 copies of weight [128, 512] and input [16 x 128 tokens, 512] plus scales."""
+    e4m3 + fp32 copies of weight [128, 512] and input [16 x 128 tokens, 512] plus scales, and
+    holds autocast's bf16 weight copies for the GEMMs outside the blocks only (the head,
+    [256, 128]: the vocabulary x d_model), where bf16 holds them for every GEMM."""
     from parallel.planner import predict
-    from parallel.planner.memory import fp8_copy_bytes
+    from parallel.planner.memory import autocast_copy_bytes, fp8_copy_bytes
     h100 = preset("h100")
     w, fp8, costs, cache = _setup(["parallel.precision=fp8"])
     _, bf16, _, _ = _setup(["parallel.precision=bf16"])
@@ -61,7 +63,13 @@ def test_fp8_prediction_is_faster_and_holds_one_gemms_copies():
     weight, inputs = 128 * 512, 16 * 128 * 512
     want = int(5 * (weight + inputs) + 4 * (weight / 128 ** 2 + inputs / 128))
     assert fp8_copy_bytes(w, fp8) == want and fp8_copy_bytes(w, bf16) == 0
-    assert got.rank0().memory["forward"] - ref.rank0().memory["forward"] == want
+    state = cache.get(fp8, 0)
+    head = 256 * 128 * 4  # fp32 bytes of the head's weight
+    assert state.matmul_bytes[1] == head
+    assert autocast_copy_bytes(state, fp8) == head // 2
+    assert autocast_copy_bytes(state, bf16) == (state.matmul_bytes[0] + head) // 2
+    assert got.rank0().memory["forward"] - ref.rank0().memory["forward"] == \
+        want + head // 2 - autocast_copy_bytes(state, bf16)
 
 
 def test_the_searchs_bounds_stay_below_fp8_predictions():

@@ -107,6 +107,25 @@ def test_freed_memory_matches_the_planner(over, part, low, high):
     assert low <= measured / counted <= high, (part, measured, counted)
 
 
+def test_routed_row_activations_match_the_planner():
+    """Each routed row a token adds (top_k 1 -> 2 -> 4) holds what the planner counts per row
+    (parallel/planner/memory.py block_act_elems: the experts' input and the combine's output,
+    D each, and the gated hidden 3 F): measured 1060 bytes a row in fp32, 1024 of them those
+    tensors and 36 the row's indices and gate (a 3 D count, 1152, was 0.92 of it)."""
+    from parallel.planner.memory import block_act_elems
+
+    def counted(k):
+        cfg = load_config(None, GPT + [f"moe.top_k={k}"])
+        w = workload_from_config(cfg)
+        plan = w.validate(cfg.parallel, 1)
+        return sum(block_act_elems(w, i, "decoder", plan) for i in range(cfg.model.n_layers)) * B * S * 4
+
+    held = {k: _held_bytes(GPT + [f"moe.top_k={k}"], ()) for k in (1, 2, 4)}
+    for k1, k2 in ((1, 2), (2, 4)):
+        measured, count = held[k2] - held[k1], counted(k2) - counted(k1)
+        assert 1 <= measured / count <= 1.05, (k1, k2, measured, count)
+
+
 @pytest.mark.parametrize("kw, world, match", [
     (dict(recompute="selective"), 1, r"parallel.recompute=selective needs parallel.recompute_modules"),
     (dict(recompute_modules="moe_act"), 1, r"is read by parallel.recompute=selective only"),
