@@ -4,7 +4,7 @@
 Shapes: B sequences per rank, S tokens per sequence, D model dim, F expert d_ff, E experts,
 K top-k, m micro-batches per step, P ranks (dp = ep = P, or with --pp 2 a pipeline of 2
 stages over P ranks, dp = ep = P/2, the schedule pairing its forwards and backwards:
-parallel/pipeline/overlap.py).
+parallel/pipeline/paired_steps.py).
 
 Each of P spawned processes (gloo on CPU, one compute thread; NCCL with one GPU per rank)
 trains a small MoE GPT (every block an MoE block) for a few steps of m micro-batches, the

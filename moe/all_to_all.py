@@ -21,7 +21,7 @@ __all__ = ["all_to_all", "exchange_counts", "start_exchange", "start_exchange_in
 
 def start_exchange(x_ND, out_splits, in_splits, group, async_op: bool = True):
     """-> (out, work). async_op: the exchange is only issued, and `out` holds the received
-    rows once `work.wait()` returned (moe/overlap.py overlaps it with compute); else it is
+    rows once `work.wait()` returned (moe/chunked_a2a.py overlaps it with compute); else it is
     done on return and work is None."""
     out = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
     work = dist.all_to_all_single(out, x_ND.contiguous(), list(out_splits), list(in_splits),

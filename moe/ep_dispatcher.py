@@ -67,7 +67,7 @@ class EPDispatchMeta:
     send_splits: tuple         # rows sent to each rank (P)
     recv_splits: tuple         # rows received from each rank (P)
     unperm_N: torch.Tensor     # long [N]: (slot, source) order -> (source, slot) order (None
-                               # when the exchange ran in chunks: moe/overlap.py)
+                               # when the exchange ran in chunks: moe/chunked_a2a.py)
     counts_L: tuple            # rows per local slot after the exchange (owned, then replicas)
     placement: Placement       # the same on every rank of the group
     hops: object = None        # moe/hierarchical.Hops under node-aware dispatch, else None

@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
           cut into d chunks (every expert's rows split evenly, routing untouched) and chunk
           c+1's all-to-all flies while the experts compute chunk c; combine and backward
           overlap likewise, and the shared experts run while the first dispatch flies
-          (moe/overlap.py). Same function as d = 1. Takes effect when the layer is sharded
+          (moe/chunked_a2a.py). Same function as d = 1. Takes effect when the layer is sharded
           over an ep group of more than one rank (an error otherwise).
       dispatch_dtype: "auto" (default), "fp32", "bf16" or "fp8": the format of the rows in
           the expert all-to-all, each direction (moe/wire.py): auto = the compute dtype
@@ -295,13 +295,13 @@ class MoELayer(nn.Module):
         return tensor_parallel_experts(self.experts, x_ND, counts, extend, self.etp_group)
 
     def _overlapped(self) -> bool:
-        """The chunked, overlapped exchange (moe/overlap.py): d > 1, or d = 1 with a timeline
+        """The chunked, overlapped exchange (moe/chunked_a2a.py): d > 1, or d = 1 with a timeline
         attached (one chunk: the same exchanges as dispatch/combine, recorded)."""
         return self.ep_group is not None and not isinstance(self.dispatcher, LocalDispatcher) \
             and self.dispatch == "flat" and (self.a2a_overlap_degree > 1 or self.timeline is not None)
 
     def _overlapped_forward(self, x_TD, routing, out_dtype, wires):
-        from .overlap import overlapped_experts
+        from .chunked_a2a import overlapped_experts
         shared = None
         if self.shared_experts is not None and not self.shared_run_outside:
             shared = lambda: self.shared_experts(x_TD)  # noqa: E731 - runs while dispatch flies

@@ -1,5 +1,5 @@
 """A per-rank timeline of the expert-parallel exchange: when each all-to-all is issued and
-waited on, and when each chunk of experts computes (moe/overlap.py writes it).
+waited on, and when each chunk of experts computes (moe/chunked_a2a.py writes it).
 
 Events are (kind, name, t0, t1) in seconds of this process's perf_counter:
   issue    an asynchronous all-to-all handed to the backend (t0 == t1)

@@ -42,7 +42,7 @@ class PipelineRunner:
 
     def _build(self, overlap: bool = False):
         """The torch schedule; `overlap` (parallel.a2a_overlap=1f1b, training only): its
-        forward/backward pairs run interleaved through the baton (overlap.py), 1f1b as the
+        forward/backward pairs run interleaved through the baton (paired_steps.py), 1f1b as the
         interleaved 1F1B's one-stage order, which torch's schedule runtime can execute."""
         from torch.distributed import pipelining
         device = local(next(self.model.parameters())).device
@@ -56,7 +56,7 @@ class PipelineRunner:
         arg = stages if name in MULTI_STAGE_SCHEDULES else stages[0]
         schedule = cls(arg, n_microbatches=self.plan.microbatches, loss_fn=self.loss_fn)
         if overlap:
-            from .overlap import overlap_schedule
+            from .paired_steps import overlap_schedule
             schedule = overlap_schedule(schedule, self.baton)
         return schedule
 

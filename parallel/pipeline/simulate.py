@@ -3,8 +3,8 @@ overlap's pairs (parallel.a2a_overlap=1f1b under pp > 1) is checked against.
 
     simulate(schedule, pp, m, v, cost)  -> seconds of the step (the last action's end)
 
-Each pipeline rank runs torch's compute order (overlap.torch_order; with `cost.paired`, the
-order parallel/pipeline/overlap.py merges into forward/backward pairs) one action at a time.
+Each pipeline rank runs torch's compute order (paired_steps.torch_order; with `cost.paired`, the
+order parallel/pipeline/paired_steps.py merges into forward/backward pairs) one action at a time.
 A forward of stage s needs stage s-1's output for its micro-batch, a backward stage s+1's
 gradient (the last stage: its own forward). Each action runs `layers` pieces of compute, an
 expert all-to-all after each (a forward's compute f and all-to-all a_f in all, a backward's
@@ -71,7 +71,7 @@ def _pair(start_f: float, start_b: float, fc, fa, bc, ba, layers: int) -> tuple:
 
 @functools.cache
 def _order(schedule: str, pp: int, m: int, v: int, paired: bool) -> dict:
-    from .overlap import _first_lowering, _lowers, torch_order
+    from .paired_steps import _first_lowering, _lowers, torch_order
     to_rank, order = torch_order(schedule, pp, m, v)
     if paired:
         order = _first_lowering(order, lambda o: _lowers(o, to_rank, m))

@@ -42,7 +42,7 @@ Lower bound (step_s_min): what runs beside compute in this toolkit may hide behi
                         micro-batch to hide behind; parallel/interleave.py); under a
                         pipeline schedule, pairs_r / (m v) on pipeline rank r (its pairs
                         of m v forwards and m v backwards of its v chunks, the order
-                        parallel/pipeline/overlap.py runs: warm-up forwards and cool-down
+                        parallel/pipeline/paired_steps.py runs: warm-up forwards and cool-down
                         backwards stay exposed)
   ZeRO-3 gathers and    FSDP2 issues them on its own streams, the next unit's (or with
   reduce-scatters       parallel.zero_prefetch the next n blocks') while this one computes
@@ -165,7 +165,7 @@ def paired_shares(plan, microbatches: int) -> list:
         return [0.0] * plan.pp
     if plan.pp == 1:
         return [1 - 1 / microbatches]
-    from ..pipeline.overlap import paired_counts
+    from ..pipeline.paired_steps import paired_counts
     counts = paired_counts(plan.pp_schedule, plan.pp, microbatches, plan.stages_per_rank)
     return [c / (microbatches * plan.stages_per_rank) for c in counts or [0] * plan.pp]
 

@@ -25,7 +25,7 @@ Layouts: world 2 dp2 x ep2 under ZeRO 0/1/2/3, with bf16 and the hierarchical di
 2 declared nodes, with full recomputation, with dropout and jitter under full and selective
 recomputation; world 4 tp2 x dp2 x ep2 (ZeRO-1) and dp4 x ep2
 x etp2; world 8 dp4 x cp2 x ep4 with ZeRO-3, bf16 and the hierarchical dispatch on 2 nodes.
-Inside the pipeline schedules (parallel/pipeline/overlap.py: the schedule's neighbouring
+Inside the pipeline schedules (parallel/pipeline/paired_steps.py: the schedule's neighbouring
 forward/backward pairs run interleaved), against the same schedule without the overlap:
 world 4 pp2 x dp2 x ep2 with 4 micro-batches under dualpipev, zbv, zbv with ZeRO-2 and
 dualpipev with ZeRO-1 and bf16; world 8 pp2 x tp2 x dp2 x ep4 dualpipev with ZeRO-1, bf16 and
@@ -204,7 +204,7 @@ def test_chunked_overlap_under_zero3_equals_one_process_and_gathers_once():
     assert all(len(rows) == 3 * dc.STEPS + 2 for rows in results)
 
 
-# ---- inside the pipeline schedules (parallel/pipeline/overlap.py) -------------------------
+# ---- inside the pipeline schedules (parallel/pipeline/paired_steps.py) -------------------------
 # every block an MoE block, so each stage (one block under the two-stage-per-rank schedules)
 # has exchanges to pair; 4 micro-batches, 1 row each per dp rank
 PP = {"pp": 2, "dp": 2, "ep": 2, "microbatches": 4}

@@ -4,7 +4,7 @@ rank, train.micro_batch_size=2): the same losses as the plain micro-batch loop, 
 metrics.jsonl reports the exchanges waited for through the baton; a layout without
 micro-batches is refused in one line. The same inside a pipeline schedule (pp2 x dp2 x ep2,
 DualPipe-V, 4 micro-batches: the schedule's forward/backward pairs, parallel/pipeline/
-overlap.py); the 1F1B family is refused in one line (its pairs delay the next stage).
+paired_steps.py); the 1F1B family is refused in one line (its pairs delay the next stage).
 """
 import pytest
 

@@ -113,10 +113,10 @@ def test_plan_refuses_unpaired_schedules_short_pipelines_and_unknown_modes():
                             microbatches=m).validate(8, moe_cfg=moe).microbatches == m
 
 
-# ---- the pairs inside a pipeline schedule (parallel/pipeline/overlap.py) ------------------
+# ---- the pairs inside a pipeline schedule (parallel/pipeline/paired_steps.py) -------------
 from torch.distributed.pipelining import schedules as ts  # noqa: E402
 
-from parallel.pipeline.overlap import overlapped_order, paired_counts, pairs_of, torch_order  # noqa: E402
+from parallel.pipeline.paired_steps import overlapped_order, paired_counts, pairs_of, torch_order  # noqa: E402
 
 
 def _leaves(actions):

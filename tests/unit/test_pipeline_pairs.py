@@ -1,10 +1,10 @@
-"""parallel/pipeline/overlap.py's pairs without processes: each half waits for its own input
+"""parallel/pipeline/paired_steps.py's pairs without processes: each half waits for its own input
 and sends its output as it ends (a neighbour never waits for this rank's backward to get its
 forward input), and the lowered order no longer sends what the halves send."""
 from torch.distributed.pipelining import schedules as ts
 
 from parallel.interleave import Baton
-from parallel.pipeline import overlap
+from parallel.pipeline import paired_steps
 
 
 class _Work:
@@ -66,7 +66,7 @@ def test_each_half_waits_for_its_input_and_sends_as_it_ends(monkeypatch):
     sched = _Sched(log, _Stage(log))
     f = ts._Action(1, ts.FORWARD, 1)
     b = ts._Action(1, ts.FULL_BACKWARD, 0)
-    overlap._run_pair(Baton(), ts._Action(-1, ts.OVERLAP_F_B, None, (f, b)), _Ctx(sched), sends)
+    paired_steps._run_pair(Baton(), ts._Action(-1, ts.OVERLAP_F_B, None, (f, b)), _Ctx(sched), sends)
     # F1's output leaves before B0 runs (or even has its gradient); the pair's own sends are
     # kept to be waited for at the end of the step
     assert log == ["input of F1 arrived", "F1", "send F1", "gradient of B0 arrived", "B0", "send B0"]
@@ -79,7 +79,7 @@ def test_lowered_order_keeps_only_the_sends_no_half_makes():
     pair = A(-1, ts.OVERLAP_F_B, None, (A(1, ts.FORWARD, 2), A(1, ts.FULL_BACKWARD, 0)))
     order = {1: [A(1, ts.RECV_F, 2), A(1, ts.RECV_B, 0), pair, A(1, ts.SEND_F, 2),
                  A(1, ts.SEND_B, 0), A(1, ts.FORWARD, 3), A(1, ts.SEND_F, 3), None]}
-    overlap._drop_pair_sends(order)
+    paired_steps._drop_pair_sends(order)
     assert [str(a) for a in order[1] if a is not None] == \
         [str(a) for a in (A(1, ts.RECV_F, 2), A(1, ts.RECV_B, 0), pair, A(1, ts.FORWARD, 3),
                           A(1, ts.SEND_F, 3))]

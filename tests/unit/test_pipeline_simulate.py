@@ -1,7 +1,8 @@
 """parallel/pipeline/simulate.py, the schedule simulation the planner prices the overlap's
-pipeline pairs with: against closed forms and hand-computed pairs, the fault it shows (pairs
-sending only when both halves end make neighbouring stages take turns: 1.4-1.5x the plain
-step with nothing to hide) and its absence now (each half sends as it ends: 1.0x)."""
+pipeline pairs with: against closed forms and hand-computed pairs; the fault it shows (pairs
+sending only when both halves end make neighbouring stages take turns), what remains with
+each half sending as it ends (the 1F1B family's pairs still cost: refused), and the V
+schedules' pairs, which gain."""
 import pytest
 
 from parallel.pipeline.simulate import StepCost, _pair, simulate
@@ -27,21 +28,28 @@ def test_a_pair_by_hand():
 
 @pytest.mark.parametrize("schedule, pp, m, v", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
                                                 ("interleaved_1f1b", 4, 8, 2)])
-def test_pairs_no_longer_make_neighbours_take_turns(schedule, pp, m, v):
+def test_sending_as_each_half_ends_helps_but_the_1f1b_familys_pairs_still_cost(schedule, pp, m, v):
+    """With nothing to hide: pairs sending after both halves made neighbours take turns
+    (1.4-1.55x the plain step); each half sending as it ends is better, yet the forward's
+    output still leaves after the backward's interleaved pieces (1.3-1.41x): why plan.py
+    refuses the overlap with these schedules."""
     plain = simulate(schedule, pp, m, v, StepCost())
     now = simulate(schedule, pp, m, v, StepCost(paired=True))
     before = simulate(schedule, pp, m, v, StepCost(paired=True, send="pair"))
-    assert now == plain
-    assert 1.35 <= before / plain <= 1.6, before / plain
+    assert 1.29 <= now / plain <= 1.42 and 1.39 <= before / plain <= 1.56, (now / plain, before / plain)
+    assert before > now
 
 
-def test_pairs_gain_only_when_the_exchange_is_large_enough():
-    """A pair's forward ends after the backward's interleaved pieces, which the next stage
-    waits for: with the exchanges a third of the compute the pairs cost (1.09x); as large as
-    the compute they gain (0.97x; 1F1B, 4 stages, 8 micro-batches, 4 exchanges a chunk)."""
-    def ratio(a):
-        cost = StepCost(a_f=a, a_b=a)
-        plain = simulate("1f1b", 4, 8, 1, cost)
-        return simulate("1f1b", 4, 8, 1, StepCost(a_f=a, a_b=a, paired=True)) / plain
-    assert ratio(0.5) == pytest.approx(1.088, abs=1e-3)
-    assert ratio(1.0) == pytest.approx(0.973, abs=1e-3)
+def test_the_v_schedules_pairs_gain_where_the_1f1b_familys_cost():
+    """4 stages, 8 micro-batches, 4 exchanges a chunk, the exchanges a third of the compute
+    and as large as it: 1F1B's pairs cost (1.185x, 1.05x), DualPipe-V's gain (0.994x,
+    0.987x), ZBV's too (0.978x, 0.959x)."""
+    def ratio(schedule, v, a):
+        plain = simulate(schedule, 4, 8, v, StepCost(a_f=a, a_b=a))
+        return simulate(schedule, 4, 8, v, StepCost(a_f=a, a_b=a, paired=True)) / plain
+    assert ratio("1f1b", 1, 0.5) == pytest.approx(1.185, abs=1e-3)
+    assert ratio("1f1b", 1, 1.0) == pytest.approx(1.05, abs=1e-3)
+    assert ratio("dualpipev", 2, 0.5) == pytest.approx(0.994, abs=1e-3)
+    assert ratio("dualpipev", 2, 1.0) == pytest.approx(0.987, abs=1e-3)
+    assert ratio("zbv", 2, 0.5) == pytest.approx(0.978, abs=1e-3)
+    assert ratio("zbv", 2, 1.0) == pytest.approx(0.959, abs=1e-3)

@@ -23,9 +23,9 @@ one chunk and the compute of another run on different engines (copy/NIC vs SMs),
 (the first dispatch and the last combine stay exposed), plus a fixed cost per extra
 collective launch. The script fills a and c in from the d = 1 timeline and prints T(d).
 
-Run:  python bench/overlap.py                    (P=2 and 4, T=2048, D=256, F=1024, E=8, K=2)
-      python bench/overlap.py --quick            (toy size, seconds)
-      python bench/overlap.py --trace DIR        (also DIR/overlap_P{P}_d{d}_rank{r}.json,
+Run:  python bench/chunked_a2a.py                (P=2 and 4, T=2048, D=256, F=1024, E=8, K=2)
+      python bench/chunked_a2a.py --quick        (toy size, seconds)
+      python bench/chunked_a2a.py --trace DIR    (also DIR/chunked_a2a_P{P}_d{d}_rank{r}.json,
                                                   Chrome/Perfetto traces of the last iteration)
 """
 import argparse
@@ -88,7 +88,7 @@ def _worker(rank, world, cfg):
                 waits.append(blocked[-1])
         if cfg["trace"]:
             os.makedirs(cfg["trace"], exist_ok=True)
-            tl.save_chrome_trace(os.path.join(cfg["trace"], f"overlap_P{world}_d{d}_rank{rank}.json"), rank)
+            tl.save_chrome_trace(os.path.join(cfg["trace"], f"chunked_a2a_P{world}_d{d}_rank{rank}.json"), rank)
         out[d] = dict(step=statistics.median(steps), blocked=statistics.median(blocked), ok=ok,
                       compute=statistics.median(compute), waits=statistics.median(waits))
     return out
