@@ -57,9 +57,10 @@ def parse_layout(text: str, base, batch_size: int) -> tuple:
         elif w.startswith("2.5d"):
             fields["tp_mode"], fields["tp_depth"] = "2.5d", int(w[4:] or 2)
         else:
-            raise ValueError(f"--layout: {word!r} is not a layout word (dpN cpN tpN ppN vpN epN "
-                             f"etpN mN mbsN zN rc rc=part+part ring|ulysses off=optimizer|params 2d 2.5dN "
-                             f"or a schedule: {', '.join(PP_SCHEDULES)})")
+            hint = _did_you_mean(w)
+            raise ValueError(f"--layout: {word!r} is not a layout word{hint} (dpN cpN tpN ppN vpN "
+                             f"epN etpN mN mbsN zN rc rc=part+part ring|ulysses off=optimizer|params "
+                             f"2d 2.5dN or a schedule: {', '.join(PP_SCHEDULES)})")
     pp = fields.get("pp", base.pp)
     if schedule is None and fields.get("pp_stages_per_rank", 0) > 1:
         schedule = "interleaved_1f1b"
@@ -70,6 +71,25 @@ def parse_layout(text: str, base, batch_size: int) -> tuple:
     if mbs and pp > 1 and "microbatches" not in fields:
         fields["microbatches"] = -mbs  # resolved once dp is known (resolve_microbatches)
     return fields, (mbs if pp == 1 else 0)
+
+
+# long names a user may type for a degree word's prefix
+_ALIASES = {"zero": "z", "stage": "z", "data": "dp", "tensor": "tp", "pipe": "pp", "pipeline": "pp",
+            "expert": "ep", "experts": "ep", "context": "cp", "virtual": "vp", "vpp": "vp",
+            "microbatch": "m", "microbatches": "m", "mb": "mbs", "etep": "etp"}
+
+
+def _did_you_mean(word: str) -> str:
+    """"; did you mean 'z1'?" for a misspelt layout word, else ""."""
+    import difflib
+    m = re.match(r"^([a-z_.]+?)[=_-]?(\d+)$", word)
+    if m:
+        head, n = m.group(1), m.group(2)
+        short = _ALIASES.get(head) or next(iter(difflib.get_close_matches(head, _FIELDS.keys() | {"mbs"}, 1)), None)
+        if short:
+            return f"; did you mean {short + n!r}?"
+    close = difflib.get_close_matches(word, list(PP_SCHEDULES) + ["rc", "ring", "ulysses", "2d"], 1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def resolve_microbatches(plan, world: int, batch_size: int):

@@ -250,3 +250,16 @@ def test_layout_word_for_selective_recomputation_and_its_memory_between_none_and
     from parallel.plan import ParallelPlan
     changes = [d for d, _ in one_changes(ParallelPlan(dp=2).validate(2))]
     assert "parallel.recompute=selective recompute_modules=layernorm,moe_act" in changes
+
+
+@pytest.mark.parametrize("word, hint", [("zero1", "'z1'"), ("expert2", "'ep2'"), ("pipeline2", "'pp2'"),
+                                        ("mbs_2", "'mbs2'"), ("1f1bb", "'1f1b'"), ("dualpipe", "'dualpipev'")])
+def test_a_misspelt_layout_word_gets_one_line_with_a_suggestion(word, hint):
+    """The planner's --layout words say what was meant, as train.py does for fields (issue 62)."""
+    from parallel.plan import ParallelPlan
+    from parallel.planner.check import parse_layout
+    with pytest.raises(ValueError, match=rf"^--layout: '{word}' is not a layout word; did you mean {hint}\? "):
+        parse_layout(f"dp2 {word}", ParallelPlan(), 8)
+    with pytest.raises(ValueError) as err:
+        parse_layout("dp2 foo", ParallelPlan(), 8)
+    assert "did you mean" not in str(err.value)
