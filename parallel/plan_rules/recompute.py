@@ -1,0 +1,53 @@
+"""Activation recomputation (parallel/recompute.py): recompute_modules parsed into its parts,
+the parts that clash with tp or cp, and the parts the model does not have."""
+from __future__ import annotations  # ParallelPlan (parallel/plan.py) is named in hints only
+
+from . import _err
+from .choices import RECOMPUTE_MODULES
+from .experts import _has_dense_ffn, _has_moe
+
+
+def _recompute_parts(p: ParallelPlan) -> list:
+    v = p.recompute_modules
+    names = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    out = []
+    for n in names:
+        n = str(n).strip()
+        if n and n not in RECOMPUTE_MODULES:
+            raise _err(f"parallel.recompute_modules names {n!r}; use any of {', '.join(RECOMPUTE_MODULES)}")
+        if n and n not in out:
+            out.append(n)
+    return out
+
+
+def _check_recompute(p: ParallelPlan) -> None:
+    parts = p.recompute_parts
+    if p.recompute == "selective" and not parts:
+        raise _err("parallel.recompute=selective needs parallel.recompute_modules, e.g. "
+                   "parallel.recompute_modules=layernorm,moe_act")
+    if p.recompute != "selective" and parts:
+        raise _err(f"parallel.recompute_modules={p.recompute_modules} is read by "
+                   f"parallel.recompute=selective only (got recompute={p.recompute}); set "
+                   f"recompute=selective or recompute_modules=''")
+    if "layernorm" in parts and p.tp > 1:
+        raise _err(f"parallel.recompute_modules=layernorm with parallel.tp={p.tp}: the norms' "
+                   f"outputs are gathered over tp before the layers reading them keep them, so "
+                   f"nothing would be freed; drop layernorm or set tp=1")
+    if "core_attn" in parts and p.cp > 1:
+        raise _err(f"parallel.recompute_modules=core_attn with parallel.cp={p.cp}: the context-"
+                   f"parallel attention core exchanges keys and values, which recomputing would "
+                   f"repeat; drop core_attn or set cp=1")
+
+
+def _check_recompute_model(p: ParallelPlan, m, moe_cfg) -> None:
+    """A part the model does not have would be a setting that does nothing: refused."""
+    moe, dense = _has_moe(moe_cfg), _has_dense_ffn(moe_cfg)
+    missing = {"mla_up_proj": getattr(m, "attention", "mha") != "mla",
+               "mlp": not dense, "moe_act": not moe, "experts": not moe,
+               "shared_experts": not moe or not getattr(moe_cfg, "num_shared_experts", 0)}
+    for part in p.recompute_parts:
+        if missing.get(part):
+            what = {"mla_up_proj": "model.attention='mla'", "mlp": "a block without MoE",
+                    "shared_experts": "moe.num_shared_experts > 0"}.get(part, "MoE blocks")
+            raise _err(f"parallel.recompute_modules={part}: the model has no {part} (needs {what}); "
+                       f"drop it from parallel.recompute_modules")
