@@ -52,19 +52,11 @@ def _torchao_float8(device: torch.device) -> tuple:
     """torchao.float8's (Float8Linear, Float8LinearConfig, swap_linear_layers). Where its CUDA
     kernels cannot load (a CPU build of torch) its import warns about each .so and torch
     about an Enum it registers; neither matters to the emulation, so they stay quiet there."""
-    import logging
-    quiet = ("torchao", "torch.utils._pytree")
-    levels = [logging.getLogger(n).level for n in quiet]
-    if device.type != "cuda":
-        for n in quiet:
-            logging.getLogger(n).setLevel(logging.ERROR)
-    try:
+    from moe.quiet import quiet_torchao_import
+    with quiet_torchao_import(device.type != "cuda"):
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
         from torchao.float8.float8_linear_utils import swap_linear_layers
-    finally:
-        for n, level in zip(quiet, levels):
-            logging.getLogger(n).setLevel(level)
     return Float8Linear, Float8LinearConfig, swap_linear_layers
 
 

@@ -20,6 +20,8 @@ import os
 import torch
 import torch.nn as nn
 
+from ..quiet import transformers_quietly
+
 from .export import CONFIG_KEY
 from .swap import load_moefied, moefy
 
@@ -42,7 +44,7 @@ def pretrained_vocab_size(hf_cfg):
 
 def hf_config(hf_cfg, m):
     """A transformers config of family hf_cfg.family sized by ModelConfig `m`."""
-    import transformers as tf
+    tf = transformers_quietly()
     common = dict(vocab_size=m.vocab_size, tie_word_embeddings=m.tie_embeddings,
                   pad_token_id=0, bos_token_id=0, eos_token_id=0)
     if hf_cfg.family == "gpt2":
@@ -125,7 +127,7 @@ def _moe_args(moe_cfg, upcycle: bool) -> dict:
 
 
 def _dense_from(hf_cfg, model_cfg):
-    import transformers as tf
+    tf = transformers_quietly()
     if hf_cfg.pretrained:
         config = tf.AutoConfig.from_pretrained(hf_cfg.pretrained, local_files_only=True)
         if getattr(config, CONFIG_KEY, None):
@@ -158,7 +160,7 @@ def build_hf_model(hf_cfg, model_cfg, moe_cfg, seed: int = 0, device="cpu") -> n
 
 def _adopted(hf_cfg) -> nn.Module:
     """An HF MoE checkpoint with its sparse blocks converted to MoELayers (same function)."""
-    import transformers as tf
+    tf = transformers_quietly()
     auto = tf.AutoModelForSeq2SeqLM if MOE_TASKS[hf_cfg.family] == "switch" else tf.AutoModelForCausalLM
     config = tf.AutoConfig.from_pretrained(hf_cfg.pretrained, local_files_only=True)
     if getattr(config, CONFIG_KEY, None):  # saved by moekit with its MoE layers already in

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ..quiet import transformers_quietly
 from .adapters import adapter_for
 from ..aux import inject_aux_loss, moe_layers
 from .convert import convert_moe_blocks, explicit_args, is_moe_adapter
@@ -186,7 +187,7 @@ def _tied_keys(model) -> set:
 
 def load_moefied(path: str, adapter=None):
     """Rebuild a model saved with save_pretrained after moefy, with its trained weights."""
-    import transformers
+    transformers = transformers_quietly()
     config = transformers.AutoConfig.from_pretrained(path)
     section = getattr(config, CONFIG_KEY, None)
     if not isinstance(section, dict):

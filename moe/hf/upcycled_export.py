@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quiet import transformers_quietly
 from .convert import wrapped_layers
 
 FALLBACK = ("save it with model.save_pretrained(dir) and reload it with "
@@ -65,7 +66,7 @@ def _common(cfg) -> dict:
 
 
 def target_for(model, section: dict) -> Target:
-    import transformers
+    transformers = transformers_quietly()
     family, cfg = section["family"], model.config
     target = _TARGETS.get(family)
     if target is None:
