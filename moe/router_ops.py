@@ -40,7 +40,7 @@ def _stats_forward(logits: torch.Tensor, score_func: str):
 
 def _stats_backward(g_scores: Optional[torch.Tensor], g_z: Optional[torch.Tensor],
                     logits: torch.Tensor, scores: torch.Tensor, score_func: str):
-    g = torch.zeros_like(logits)
+    g = None
     if g_scores is not None:
         if score_func == "softmax":
             g = torch.ops.aten._softmax_backward_data(g_scores, scores, -1, logits.dtype)
@@ -48,9 +48,9 @@ def _stats_backward(g_scores: Optional[torch.Tensor], g_z: Optional[torch.Tensor
             g = torch.ops.aten.sigmoid_backward(g_scores, scores)
     if g_z is not None:  # d mean(lse^2) = 2 lse / n * softmax(logits)
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        g_lse = g_z / lse.numel() * (2 * lse)
-        g = g + g_lse * (logits - lse).exp()
-    return g
+        g_z_TE = g_z / lse.numel() * (2 * lse) * (logits - lse).exp()
+        g = g_z_TE if g is None else g + g_z_TE
+    return torch.zeros_like(logits) if g is None else g
 
 
 @torch.library.custom_op("moekit::score_stats", mutates_args=())

@@ -11,10 +11,10 @@ from .memory import activations, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
-from .step_time import (a2a_by_node, comm_seconds, expert_gemm_slowdown, exposed_a2a_seconds,
-                        fp8_gemm_time, hideable_seconds, paired_shares, pipeline_pairing,
-                        predicted_hidden,
-                        host_seconds, node_size, stage_seconds, wire_bytes)
+from .step_time import (a2a_by_node, a2a_overlap_degree, comm_seconds, expert_gemm_slowdown,
+                        exposed_a2a_seconds, fp8_gemm_time, hideable_seconds, host_seconds,
+                        node_size, paired_shares, pipeline_pairing, predicted_hidden,
+                        stage_seconds, wire_bytes)
 
 
 @dataclass
@@ -125,8 +125,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     """Predict a validated plan; raises what parallelize raises for a layout it cannot build."""
     out = Prediction(plan, bubble=bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches,
                                                    plan.stages_per_rank))
-    d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
-    paired = paired_shares(plan, micro_count(w, plan))
+    d, m = a2a_overlap_degree(w), micro_count(w, plan)
+    paired = paired_shares(plan, m)
     slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw)
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
@@ -136,10 +136,10 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         timed = rank_flops(costs, w, plan, state, slowdown, fp8) if slowdown > 1 or fp8 != 1 else flops
         comm_s = comm_seconds(events, plan, rank, hw)
         if plan.offload != "none":
-            comm_s["host_offload"] = host_seconds(plan, state, micro_count(w, plan), hw)
+            comm_s["host_offload"] = host_seconds(plan, state, m, hw)
         hidden = hideable_seconds(comm_s, plan, d, paired[stage])
         step_s = stage_seconds(timed, comm_s, out.bubble, hw, predicted_hidden(hidden, plan),
-                               pipeline_pairing(plan, micro_count(w, plan), timed, comm_s, hw,
+                               pipeline_pairing(plan, m, timed, comm_s, hw,
                                                 sum(map(w.is_moe_block, state.block_ids))))
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,

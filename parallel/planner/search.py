@@ -12,8 +12,9 @@ at least the group's bound
         (under precision=fp8 all of it at the FP8 rate: step_time.fp8_gemm_time)
     A = the mean stage's traffic (structure_seconds: comm.py's expert all-to-all, expert-
         tensor, tensor- and context-parallel payloads of the whole model with recompute off,
-        over pp; the all-to-all left out under an all-to-all overlap) on the wire, at the intra-node bandwidth where the group can lie in one
-        node's consecutive ranks ((size-1) stride + 1 <= gpus per node), else inter; A_in
+        over pp; the all-to-all left out under an all-to-all overlap) on the wire, at the
+        intra-node bandwidth where the group can lie in one node's consecutive ranks
+        ((size-1) stride + 1 <= gpus per node), else inter; A_in
         the part step_time surely stretches by the bubble (inside_seconds), A_out the rest
     bubble = the group's schedule bubble (structures: the smallest of their schedules')
     G = sync_seconds x _sync_factor: the least gradient synchronisation any of the

@@ -170,11 +170,15 @@ def paired_shares(plan, microbatches: int) -> list:
     return [c / (microbatches * plan.stages_per_rank) for c in counts or [0] * plan.pp]
 
 
+def a2a_overlap_degree(w) -> int:
+    """moe.a2a_overlap_degree of the workload (1 without MoE layers)."""
+    return getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
+
+
 def a2a_overlapped(w, plan) -> bool:
     """Whether the layout overlaps the expert all-to-all with compute (moe.a2a_overlap_degree
     > 1 or parallel.a2a_overlap=1f1b): the prediction then hides its hideable share."""
-    d = getattr(w.moe_cfg, "a2a_overlap_degree", 1) if w.has_moe() else 1
-    return d > 1 or plan.a2a_overlap == "1f1b"
+    return a2a_overlap_degree(w) > 1 or plan.a2a_overlap == "1f1b"
 
 
 def predicted_hidden(hidden: dict, plan) -> dict:
