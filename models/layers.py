@@ -40,9 +40,26 @@ class Embedding(nn.Embedding):
         nn.init.normal_(self.weight, std=self.init_std)
 
 
+def rms_norm(x: torch.Tensor, shape, weight, eps) -> torch.Tensor:
+    """F.rms_norm with the weight in x's dtype. Under autocast x arrives in bf16 while the
+    weight stays an fp32 parameter; mixed dtypes cannot take torch's fused kernel and fall
+    back to a composite of about eight kernels (with a warning). The weight's one cast per
+    call is D elements; its gradient still flows to the fp32 parameter."""
+    if weight is not None and weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.rms_norm(x, shape, weight, eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm that runs torch's fused kernel under autocast too (rms_norm above)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
 def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
     if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=eps)
+        return RMSNorm(dim, eps=eps)
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps, bias=bias)
     raise ValueError(f"model.norm={kind!r} is not supported; use 'rmsnorm' or 'layernorm'")
@@ -87,8 +104,8 @@ class Attention(nn.Module):
         self.wk = Linear(d_model, kv, bias, init_std)
         self.wv = Linear(d_model, kv, bias, init_std)
         self.wo = Linear(n_heads * hd, d_model, bias, out_init_std)
-        self.q_norm = nn.RMSNorm(hd, eps=norm_eps) if qk_norm else None
-        self.k_norm = nn.RMSNorm(hd, eps=norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(hd, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(hd, eps=norm_eps) if qk_norm else None
 
     def _heads(self, x_BSD: torch.Tensor, width: int = 0) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -178,12 +195,12 @@ class LatentAttention(Attention):
         qk, self.q_lora = m.qk_dim, m.q_lora_rank > 0
         if self.q_lora:
             self.wq_a = Linear(D, m.q_lora_rank, False, init_std)
-            self.q_a_norm = nn.RMSNorm(m.q_lora_rank, eps=m.norm_eps)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, eps=m.norm_eps)
             self.wq_b = Linear(m.q_lora_rank, H * qk, False, init_std)
         else:
             self.wq = Linear(D, H * qk, False, init_std)
         self.wkv_a = Linear(D, m.kv_lora_rank + self.rope_dim, False, init_std)
-        self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=m.norm_eps)
+        self.kv_norm = RMSNorm(m.kv_lora_rank, eps=m.norm_eps)
         self.wkv_b = Linear(m.kv_lora_rank, H * (self.head_dim + self.v_dim), False, init_std)
         self.wo = Linear(H * self.v_dim, D, False, out_init_std)
 

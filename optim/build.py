@@ -56,4 +56,14 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
     if train_cfg.optimizer == "adafactor":
         return Adafactor(groups, lr=train_cfg.lr, relative_step=train_cfg.adafactor_relative_step)
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-                             eps=train_cfg.eps)
+                             eps=train_cfg.eps, **adamw_impl(train_cfg.optimizer_impl, model))
+
+
+def adamw_impl(impl: str, model: torch.nn.Module) -> dict:
+    """torch.optim.AdamW's implementation keywords for train.optimizer_impl. auto: the fused
+    kernel (one launch per parameter group and dtype) when every parameter is on CUDA, else
+    torch's default (foreach on CUDA, a per-parameter loop on CPU, where fused gains little)."""
+    if impl == "auto":
+        on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+        return {"fused": True} if on_cuda else {}
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}

@@ -318,6 +318,10 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def _check_optimizer(cfg: Config, plan) -> None:
+    impl = cfg.train.optimizer_impl
+    _require(impl == "auto" or cfg.train.optimizer == "adamw",
+             f"train.optimizer_impl={impl!r} picks torch AdamW's implementation; with "
+             f"train.optimizer={cfg.train.optimizer!r} set train.optimizer_impl='auto'")
     if cfg.train.optimizer == "muon":
         _check_muon(cfg, plan)
     _require(not (cfg.train.optimizer == "adafactor" and plan.zero in (1, 2)),

@@ -42,6 +42,7 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
+    optimizer_impl: str = _f("auto", "adamw: auto (torch's fused kernel when every parameter is on CUDA, else torch's default) | fused | foreach | for_loop; adafactor and muon take auto")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 = no clipping")
     eval_every: int = _f(50, "evaluate the validation loss every N steps (and at the end); 0 = never")
     eval_batches: int = _f(4, "validation batches (of train.batch_size sequences) per evaluation")
@@ -93,6 +94,7 @@ CHOICES = {
     ("run", "device"): ("auto", "cpu", "cuda"),
     ("data", "tokenizer"): ("byte", "bpe"),
     ("train", "optimizer"): ("adamw", "adafactor", "muon"),
+    ("train", "optimizer_impl"): ("auto", "fused", "foreach", "for_loop"),
     ("train", "muon_adjust_lr"): ("match_rms_adamw", "original"),
     ("train", "muon_ns_dtype"): ("auto", "bf16", "fp32"),
     ("log", "progress"): ("auto", "bar", "plain", "none"),

@@ -7,13 +7,19 @@ switch: T5 span corruption of each sample (data/span_corruption.py), seeded by t
 """
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from models.cross_entropy import chunked_cross_entropy
 
 
 def token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over labelled positions (label -100 = ignored), in fp32."""
+    """Mean cross entropy over labelled positions (label -100 = ignored), in fp32, without an
+    fp32 copy of the whole logits (models/cross_entropy.py)."""
     V = logits_BSV.shape[-1]
-    return F.cross_entropy(logits_BSV.float().reshape(-1, V), labels_BS.reshape(-1),
-                           ignore_index=-100)
+    if isinstance(logits_BSV, DTensor):  # a sharded vocabulary: torch's own loss handles it
+        return F.cross_entropy(logits_BSV.float().reshape(-1, V), labels_BS.reshape(-1),
+                               ignore_index=-100)
+    return chunked_cross_entropy(logits_BSV.reshape(-1, V), labels_BS.reshape(-1))
 
 
 def switch_batch(samples_BS1, indices, seed: int, vocab_size: int, data_cfg) -> dict:

@@ -28,14 +28,13 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
 """
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from models.blocks import blocks
-from models.layers import LatentAttention
+from models.layers import LatentAttention, rms_norm
 from moe import DenseFFN, MoELayer
 
 from . import comm as tp_comm
@@ -109,7 +108,7 @@ def _heads_norm(norm: nn.RMSNorm, group) -> None:
     """qk_norm's weight is replicated while each rank normalises its own heads: the weight's
     gradient is the sum of the ranks' (tp_comm.sum_grad), the same on every rank."""
     def forward(x):
-        return F.rms_norm(x, norm.normalized_shape, tp_comm.sum_grad(norm.weight, group), norm.eps)
+        return rms_norm(x, norm.normalized_shape, tp_comm.sum_grad(norm.weight, group), norm.eps)
     norm.forward = forward
 
 
