@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
 from .fp8 import check_block_dims, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
-from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl
+from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl, unsupported_reason
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
            "check_experts_impl", "pad_rows"]
@@ -217,9 +217,9 @@ class ExpertBank(nn.Module):
             return "ops"
         dt = torch.get_autocast_dtype(dev) if autocast else x_ND.dtype
         impl = resolve_impl(self.experts_impl, x_ND.device, dt, *self.w1.shape[1:])
-        if impl == "grouped_mm" and self.experts_impl == "auto" and dt != torch.bfloat16 \
-                and torch.compiler.is_compiling():
-            return "loop"  # torch.compile traces grouped_mm in bf16 only
+        if impl == "loop" and self.experts_impl == "auto" and torch.compiler.is_compiling() \
+                and unsupported_reason(x_ND.device, dt, *self.w1.shape[1:]) is None:
+            return "grouped_mm"  # the loop reads its counts on the host: a graph break
         return impl
 
     def weights(self) -> tuple:

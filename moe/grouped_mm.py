@@ -97,7 +97,23 @@ def offsets_from_counts(counts, device) -> torch.Tensor:
     return torch.tensor(ends, dtype=torch.int32, device=device)  # host -> device, no sync back
 
 
+@torch.library.custom_op("moekit::grouped_mm", mutates_args=())
+def _opaque_gmm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm as an op torch.compile does not look into: its own fake kernel
+    takes bf16 only, while the eager kernel takes fp32 and fp16 too."""
+    return torch._grouped_mm(a, b, offs=offs_E)
+
+
+@_opaque_gmm.register_fake
+def _(a, b, offs_E):
+    if b.dim() == 3:  # 2D x 3D: [N, K] rows through their expert's [K, M]
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs_E.shape[0], a.shape[0], b.shape[-1])  # 2D x 2D: per-expert [K, M]
+
+
 def _gmm(a, b, offs_E):
+    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return _opaque_gmm(a.contiguous(), b, offs_E)
     return torch._grouped_mm(a, b, offs=offs_E)
 
 

@@ -87,8 +87,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         from .recompute import apply_recompute
         apply_recompute(blocks(model), plan.recompute, plan.recompute_parts)
     if plan.compile:
-        for b in blocks(model):
-            b.compile()
+        from .compile import compile_blocks
+        compile_blocks(model)
     if init_fn is not None and plan.zero != 3:
         init_fn(model)
     if meshes is not None:

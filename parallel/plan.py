@@ -67,7 +67,7 @@ class ParallelPlan:
     a2a_overlap: str = field(default="none", metadata={"help": "none | 1f1b: with two or more micro-batches per step (train.micro_batch_size), run the forward of micro-batch i+1 beside the backward of micro-batch i, switching at every expert all-to-all so one's exchange flies while the other computes (Megatron's combined 1F1B, DualPipe's overlap; parallel/interleave.py); under pp > 1 the schedule's neighbouring forward/backward pairs (zbv, dualpipev; the 1F1B family is refused: its pairs delay the next stage; parallel/pipeline/paired_steps.py); same function; one micro-batch's activations plus the next one's up to its first MoE block (under pp: at least two micro-batch-chunks); needs ep > 1"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | full (recompute each block in backward) | selective (only the parts parallel.recompute_modules names)"})
     recompute_modules: Union[str, list] = field(default="", metadata={"help": "recompute=selective: the parts recomputed in backward, a TOML list or comma-separated: core_attn (attention core), layernorm (the norms' outputs), moe_act (the experts' activation), mlp (dense FFNs), mla_up_proj (MLA's up-projections), shared_experts, experts (the routed experts' GEMMs); parallel/recompute.py"})
-    compile: bool = field(default=False, metadata={"help": "torch.compile each block after parallelization"})
+    compile: bool | str = field(default="auto", metadata={"help": "torch.compile each block after parallelization, each region as one graph (parallel/compile.py): true | false | auto (on for CUDA runs of the layouts it is tested with -- dp, ep, ZeRO 0-3, precision fp32/bf16, no pp/cp/tp, no a2a_overlap, recompute or parameter server, not an HF model -- off elsewhere; the run's first lines say which)"})
     offload: str = field(default="none", metadata={"help": "ZeRO-Offload: none | optimizer (fp32 master, optimizer state and step on the host; zero 1-3) | params (also the sharded parameters and gradients; zero 3)"})
     zero_prefetch: int = field(default=0, metadata={"help": "zero 3: explicit FSDP2 prefetch, all-gather the next n blocks' parameters while this one computes (forward) and the previous n (backward); costs n more unsharded blocks of memory; 0 = FSDP2's implicit one-ahead"})
     ps_servers: int = field(default=0, metadata={"help": "parameter-server layout: S shards of the parameters and optimizer state on ranks 0..S-1 (each rank also a worker), push/pull over torch.distributed.rpc instead of all-reduce; 0 = off"})
@@ -95,7 +95,8 @@ class ParallelPlan:
             if self.pp_layers and len(set(self.pp_layers.split(","))) > 1:
                 s += f" pp_layers={self.pp_layers}"
         extras = [f"{f.name}={_toml(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                  if f.name in _SHOWN_IF_SET and getattr(self, f.name) != f.default]
+                  if f.name in _SHOWN_IF_SET and getattr(self, f.name) != f.default
+                  and f.name != "compile"] + (["compile=true"] if self.compile is True else [])
         return " ".join([s] + extras)
 
     @property
@@ -155,6 +156,8 @@ class ParallelPlan:
         enables the batch / microbatch checks; seq_len (tokens per sequence, optional) the
         sequence-parallel split under tp. Raises ValueError naming the field and the fix.
         """
+        if self.compile == "auto":  # a plan without a device compiles nothing; the trainer
+            self = dataclasses.replace(self, compile=False)  # resolves auto for its device first
         _check_choices(self)
         _check_degrees(self)
         plan = dataclasses.replace(self, dp=_resolve_dp(self, world_size),

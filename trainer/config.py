@@ -417,13 +417,27 @@ def _check_replay(cfg: Config, plan) -> None:
                                f"set parallel.{name}={off}")
 
 
+def compile_choice(cfg: Config) -> tuple:
+    """(compile on, why) for this run: parallel.compile as set, or auto's decision for the
+    device run.device resolves to (parallel/compile.py auto_compile)."""
+    value = cfg.parallel.compile
+    if value != "auto":
+        return value, f"parallel.compile={str(value).lower()}"
+    from parallel.compile import auto_compile
+    from parallel.mesh import default_device_type
+    device = default_device_type() if cfg.run.device == "auto" else cfg.run.device
+    return auto_compile(cfg.parallel, device, bool(cfg.hf.family))
+
+
 def validate(cfg: Config, world_size: int):
-    """Check every section and their combination; returns the resolved ParallelPlan."""
+    """Check every section and their combination; returns the resolved ParallelPlan
+    (parallel.compile=auto decided for the run's device)."""
     _check_own(cfg)
     check_sections(cfg)
     try:
-        plan = cfg.parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size,
-                                     cfg.data.seq_len)
+        parallel = dataclasses.replace(cfg.parallel, compile=compile_choice(cfg)[0])
+        plan = parallel.validate(world_size, cfg.model, cfg.moe, cfg.train.batch_size,
+                                 cfg.data.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_hf_layout(cfg, plan)

@@ -21,7 +21,7 @@ from parallel.apply import parallelize
 from parallel.mesh import build_meshes
 
 from . import checkpoint, lock, membership, telemetry
-from .config import ConfigError, to_toml, validate
+from .config import ConfigError, compile_choice, to_toml, validate
 from .distributed import barrier, init_distributed, shutdown
 from .execution import execution_for
 from .metrics import MetricsLogger
@@ -303,6 +303,9 @@ def _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from)
     log.info(f"moekit: {ctx.world_size} process(es) on {ctx.device.type}, layout {plan.summary()}")
     for line in described:
         log.info(line)
+    if cfg.parallel.compile == "auto" and ctx.device.type == "cuda":  # a CPU run stays eager
+        on, why = compile_choice(cfg)
+        log.info(f"compile: {'on' if on else 'off'} (parallel.compile=auto: {why})")
     if cfg.moe.router_replay:
         log.info(f"router replay: training on the {train_file.num_sequences} recorded sequences of "
                  f"{cfg.data.seq_len} tokens in {cfg.moe.router_replay}, every MoE layer routing "

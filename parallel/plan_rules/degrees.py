@@ -20,7 +20,7 @@ def _check_choices(p: ParallelPlan) -> None:
     if p.zero not in (0, 1, 2, 3) or isinstance(p.zero, bool):
         raise _err(f"parallel.zero={p.zero!r} must be 0, 1, 2 or 3")
     if not isinstance(p.compile, bool):
-        raise _err(f"parallel.compile={p.compile!r} must be true or false")
+        raise _err(f"parallel.compile={p.compile!r} must be true, false or auto")
     if p.fp8_recipe not in FP8_RECIPES:
         raise _err(f"parallel.fp8_recipe={p.fp8_recipe!r} is not supported; use one of "
                    f"{', '.join(FP8_RECIPES)}")

@@ -45,7 +45,7 @@ def test_validate_returns_copy_and_keeps_explicit_dp():
     (dict(pp_schedule="zb"), 4, r"parallel\.pp_schedule='zb' is not supported"),
     (dict(precision="fp4"), 4, r"parallel\.precision='fp4'"),
     (dict(recompute="some"), 4, r"parallel\.recompute='some'"),
-    (dict(compile="yes"), 4, r"parallel\.compile='yes' must be true or false"),
+    (dict(compile="yes"), 4, r"parallel\.compile='yes' must be true, false or auto"),
     (dict(ep=3), 4, r"parallel\.ep=3 must divide dp\*tp"),
     (dict(tp=4, pp=1, ep=8), 4, r"parallel\.ep=8 must divide dp\*tp = 1\*4 = 4"),
     (dict(pp_stages_per_rank=2, pp=2), 4, r"needs a multi-stage schedule, parallel\.pp_schedule=interleaved_1f1b"),
