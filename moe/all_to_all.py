@@ -11,12 +11,38 @@ with their tile scales) and are decoded on arrival into moe/wire.py's arrival_dt
 gradients travel back in the wire's backward dtype and arrive in the dtype the rows were sent
 from.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .wire import arrival_dtype, decode, encode
 
-__all__ = ["all_to_all", "exchange_counts", "start_exchange", "start_exchange_in"]
+__all__ = ["CollectiveCall", "all_to_all", "exchange_counts", "start_exchange", "start_exchange_in"]
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One all_to_all_single a dispatcher issues on the ep group per MoE layer and micro-batch.
+    Its tables (moe/ep_dispatcher.py FLAT_CALLS, moe/hierarchical.py HIERARCHICAL_CALLS) are
+    what the planner prices (parallel/planner/expert_nodes.py, comm.py) and what
+    tests/unit/test_dispatch_calls.py holds the dispatchers to.
+
+    size names, per rank: P ranks of the ep group, E experts, A rows it sends (its kept
+    assignments), N rows its experts receive, U unique (token, node) rows it sends on the
+    hierarchical hop 1, U1 rows it receives there as a proxy, A1 assignments it forwards as a
+    proxy; d, c, b bytes of a row on the wire (moe/wire.py): forward dispatch, forward
+    combine, either backward."""
+    carries: str   # what travels
+    phase: str     # "forward" (run again under recomputation) or "backward"
+    reach: str     # "group": peers anywhere in the ep group; "node": on this rank's node only
+    size: tuple    # the bytes this rank hands over: the product of these names and ints
+
+    def nbytes(self, sizes: dict) -> float:
+        out = 1
+        for factor in self.size:
+            out *= sizes[factor] if isinstance(factor, str) else factor
+        return out
 
 
 def start_exchange(x_ND, out_splits, in_splits, group, async_op: bool = True):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .all_to_all import all_to_all, exchange_counts
+from .all_to_all import CollectiveCall, all_to_all, exchange_counts
 from .dispatcher import (DispatchMeta, LocalDispatcher, gather_sorted, permute_rows, sort_by_expert,
                          sorted_meta, weighted_combine)
 from .nodes import one_node
@@ -41,6 +41,16 @@ from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
 
 EXPERT_PARAM_ATTR = "_moe_expert"  # set True on parameters that hold experts
+# every exchange of a dispatch and its combine, forward then backward, as they run
+# (moe/all_to_all.py CollectiveCall; replica weights' fetch, expert_weights, is not listed:
+# the planner does not model replicas)
+FLAT_CALLS = (
+    CollectiveCall("[P, E] int64 count table", "forward", "group", ("P", "E", 8)),
+    CollectiveCall("rows to their experts", "forward", "group", ("A", "d")),
+    CollectiveCall("expert outputs back", "forward", "group", ("N", "c")),
+    CollectiveCall("the outputs' gradients", "backward", "group", ("A", "b")),
+    CollectiveCall("the rows' gradients", "backward", "group", ("N", "b")),
+)
 
 
 @dataclass(frozen=True)

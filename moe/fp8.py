@@ -25,14 +25,24 @@ SM90+ and the optional `deep_gemm` package; without it torchao itself only emula
 tiles (each expert's token group padded to 128 rows, so the 128 x 1 wgrad tiles start at the
 group's first token as here), one launch per projection and direction, no per-expert loop.
 Everywhere else the emulation above runs; tests/gpu/test_fp8_cuda.py holds the kernel to it.
+Which kernels can run on a GPU is one predicate, `fp8_kernels` (compute capability, deep_gemm
+installed): the runtime asks it for the live device, the planner for a preset's GPU.
 """
+import importlib.util
+from dataclasses import dataclass
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .wire import E4M3, E4M3_MAX, TILE, dequantize_tiles, quantize_tiles
 
 __all__ = ["TILE", "quantize_blocks", "dequantize_blocks", "qdq_rows", "qdq_cols", "qdq_blocks",
-           "fp8_matmul", "check_block_dims", "grouped_fp8_kernel", "grouped_fp8_ffn"]
+           "fp8_matmul", "check_block_dims", "FP8Kernels", "fp8_kernels", "device_fp8_kernels",
+           "grouped_fp8_kernel", "grouped_fp8_ffn"]
+
+# the compute capability (major, minor) from which each FP8 kernel exists
+FP8_MATMUL_CAPABILITY = (8, 9)    # torch's FP8 tensor-core matmul (torchao's Float8Linear): Ada, Hopper+
+FP8_GROUPED_CAPABILITY = (9, 0)   # DeepGEMM's grouped FP8 GEMM (through torchao): Hopper+
 
 
 def check_block_dims(K: int, N: int, where: str = "expert weight") -> None:
@@ -108,10 +118,38 @@ def fp8_matmul(x_TK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     return _FP8Matmul.apply(x_TK, w_KN)
 
 
+@dataclass(frozen=True)
+class FP8Kernels:
+    matmul: bool    # the Linears' FP8 matmuls run for real (parallel/fp8.py), not torchao's emulation
+    grouped: bool   # the expert banks' grouped FP8 GEMM runs for real (grouped_fp8_kernel)
+
+
+def fp8_kernels(capability, deep_gemm: bool) -> FP8Kernels:
+    """Which FP8 kernels a CUDA GPU of `capability` ((major, minor); None: no CUDA GPU) runs,
+    with the `deep_gemm` package installed or not; the rest runs the emulation. One predicate
+    for the runtime (device_fp8_kernels) and the planner (a preset's GPU, parallel/planner/
+    hardware.py), so the step the planner prices at the FP8 rate is the one that runs it."""
+    if capability is None:
+        return FP8Kernels(False, False)
+    cap = tuple(capability)
+    return FP8Kernels(cap >= FP8_MATMUL_CAPABILITY, deep_gemm and cap >= FP8_GROUPED_CAPABILITY)
+
+
+def _deep_gemm_installed() -> bool:
+    return importlib.util.find_spec("deep_gemm") is not None   # found, not imported
+
+
+def device_fp8_kernels(device: torch.device) -> FP8Kernels:
+    """fp8_kernels of a live device."""
+    if device.type != "cuda":
+        return fp8_kernels(None, False)
+    return fp8_kernels(torch.cuda.get_device_capability(device), _deep_gemm_installed())
+
+
 def grouped_fp8_kernel(device: torch.device):
     """torchao's grouped blockwise FP8 GEMM (A [T, K] row-major, B_t [E, K, N] column-major
     per expert, int32 end offsets) where it runs real FP8 kernels on `device`, else None."""
-    if device.type != "cuda":
+    if not device_fp8_kernels(device).grouped:
         return None
     try:   # torchao's kernels import triton (CUDA builds of torch only) and, for DeepGEMM, deep_gemm
         from torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels import \
@@ -121,6 +159,8 @@ def grouped_fp8_kernel(device: torch.device):
     except ImportError:
         return None
     probe = torch.empty(0, TILE, device=device, dtype=torch.bfloat16)
+    # torchao's word is final (a deep_gemm without the grouped entry points, say); fp8_kernels
+    # is what can be known without a device, which the planner needs
     if not can_use_deepgemm_grouped_training(probe, torch.bfloat16, TILE):
         return None
     return _to_fp8_blockwise_then_scaled_grouped_mm

@@ -30,13 +30,31 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .all_to_all import all_to_all, exchange_counts, exchange_in, start_exchange
+from .all_to_all import CollectiveCall, all_to_all, exchange_counts, exchange_in, start_exchange
 from .dispatcher import DispatchMeta, gather_sorted, permute_rows, weighted_combine
 from .ep_dispatcher import EPDispatchMeta, ExpertParallelDispatcher, source_to_expert_order
 from .nodes import ExpertNodes
 from .wire import arrival_dtype, decode, encode
 
-__all__ = ["HierarchicalDispatcher", "Hops", "proxy_table"]
+__all__ = ["HIERARCHICAL_CALLS", "HierarchicalDispatcher", "Hops", "proxy_table"]
+
+# every exchange of a dispatch and its combine, forward then backward, as they run
+# (moe/all_to_all.py CollectiveCall): hop 2 and its way back stay on the node; the rest may cross
+HIERARCHICAL_CALLS = (
+    CollectiveCall("[P, E] int64 count table", "forward", "group", ("P", "E", 8)),
+    CollectiveCall("[P, 1] int64 hop-1 rows per proxy", "forward", "group", ("P", 8)),
+    CollectiveCall("int32 hop-1 row index of each assignment", "forward", "group", ("A", 4)),
+    CollectiveCall("fp32 gate of each assignment", "forward", "group", ("A", 4)),
+    CollectiveCall("hop 1: unique (token, node) rows", "forward", "group", ("U", "d")),
+    CollectiveCall("hop 2: rows to their experts", "forward", "node", ("A1", "d")),
+    CollectiveCall("expert outputs back to the proxy", "forward", "node", ("N", "c")),
+    CollectiveCall("the proxy's node sums back", "forward", "group", ("U1", "c")),
+    CollectiveCall("the node sums' gradients", "backward", "group", ("U", "b")),
+    CollectiveCall("the expert outputs' gradients", "backward", "node", ("A1", "b")),
+    CollectiveCall("hop 2's gradients", "backward", "node", ("N", "b")),
+    CollectiveCall("hop 1's gradients, summed at the proxy", "backward", "group", ("U1", "b")),
+    CollectiveCall("the gates' gradients", "backward", "group", ("A1", 4)),
+)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
+from moe.fp8 import device_fp8_kernels
 
 from .mesh import default_device_type
 from .plan import FP8_RECIPES
@@ -35,8 +36,9 @@ LINEAR_MULTIPLE = 16   # torchao's FP8 matmul needs both dims of a Linear divisi
 
 
 def fp8_matmul_available(device: torch.device) -> bool:
-    """Whether torch has FP8 tensor-core matmuls here (CUDA, compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether torch has FP8 tensor-core matmuls here (moe/fp8.py fp8_kernels: CUDA, compute
+    capability >= 8.9)."""
+    return device_fp8_kernels(device).matmul
 
 
 def _kept(model) -> set:

@@ -3,21 +3,9 @@ backward (parallel.recompute).
 
 full       keep only each block's input, recompute its inside during backward
            (non-reentrant torch.utils.checkpoint), ~1 extra forward.
-selective  recompute only the parts named in parallel.recompute_modules (Megatron's names):
-  core_attn       the attention core softmax(q k^T) v (Attention.core): keeps q, k, v, drops
-                  what the kernel saves beyond them (nothing much with the fused kernels)
-  layernorm       the block's two norms: their outputs are not kept by the layers that read
-                  them (attention's projections, the router / FFN) but computed again from
-                  the norm's input when backward needs them (output_recompute.py); under
-                  autocast only fp32 readers' copies (the router's) are freed: the others
-                  keep their own low-precision casts
-  moe_act         the experts' activation (routed and shared, in MoE blocks): the
-                  pre-activations are kept, the activation output computed again
-  mlp             the dense FFN of the blocks without MoE: keeps its input only
-  mla_up_proj     MLA's up-projections (LatentAttention.up): keeps the latents, drops the
-                  normalised latents and the projections
-  shared_experts  the shared experts of MoE blocks: keep their input only
-  experts         the routed experts (ExpertBank): keep the dispatched rows only
+selective  recompute only the parts named in parallel.recompute_modules: RECOMPUTE_PARTS
+           (parallel/recompute_parts.py) says what each recomputes and frees; _APPLY below
+           holds one function a part.
 Each is applied by patching the module instance's method (parameter names and hooks are
 unchanged); a checkpointed part holds no collective, so nothing is communicated again. The
 MoE layers' routing is outside every part but `full`'s; under `full` it is deterministic
@@ -32,13 +20,17 @@ from models.layers import LatentAttention
 from moe import DenseFFN, MoELayer
 
 from .output_recompute import recompute_outputs
-from .plan import RECOMPUTE_MODULES
+from .recompute_parts import RECOMPUTE_PARTS
 
-__all__ = ["RECOMPUTE_MODULES", "apply_recompute"]
+__all__ = ["RECOMPUTE_PARTS", "apply_recompute"]
 
 
 def apply_recompute(blocks, mode: str = "full", modules=()) -> None:
     """mode "full": every block; "selective": the parts `modules` names, in every block."""
+    unknown = sorted(set(modules) - set(_APPLY)) if mode != "full" else []
+    if unknown:
+        raise ValueError(f"recompute_modules names {', '.join(unknown)}; use any of "
+                         f"{', '.join(_APPLY)}")
     for block in blocks:
         if mode == "full":
             _checkpointed(block, "forward")
@@ -57,21 +49,51 @@ def _checkpointed(module, method: str) -> None:
 
 
 def _selective(block, modules: set) -> None:
-    ffn, attn = block.ffn, block.attn
-    moe = isinstance(ffn, MoELayer)
-    if "core_attn" in modules:
-        _checkpointed(attn, "core")
-    if "mla_up_proj" in modules and isinstance(attn, LatentAttention):
-        _checkpointed(attn, "up")
-    if "mlp" in modules and isinstance(ffn, DenseFFN):
-        _checkpointed(ffn, "forward")
-    if moe and "experts" in modules:
-        _checkpointed(ffn.experts, "forward")
-    if moe and "shared_experts" in modules and ffn.shared_experts is not None:
-        _checkpointed(ffn.shared_experts, "forward")
-    if moe and "moe_act" in modules:
-        ffn.experts.set_recompute_act(True)
-        if ffn.shared_experts is not None:
-            ffn.shared_experts.bank.set_recompute_act(True)
-    if "layernorm" in modules:
-        recompute_outputs(block, (block.attn_norm, block.ffn_norm))
+    for part, apply in _APPLY.items():
+        if part in modules:
+            apply(block)
+
+
+def _is_moe(block) -> bool:
+    return isinstance(block.ffn, MoELayer)
+
+
+def _core_attn(block) -> None:
+    _checkpointed(block.attn, "core")
+
+
+def _mla_up_proj(block) -> None:
+    if isinstance(block.attn, LatentAttention):
+        _checkpointed(block.attn, "up")
+
+
+def _mlp(block) -> None:
+    if isinstance(block.ffn, DenseFFN):
+        _checkpointed(block.ffn, "forward")
+
+
+def _experts(block) -> None:
+    if _is_moe(block):
+        _checkpointed(block.ffn.experts, "forward")
+
+
+def _shared_experts(block) -> None:
+    if _is_moe(block) and block.ffn.shared_experts is not None:
+        _checkpointed(block.ffn.shared_experts, "forward")
+
+
+def _moe_act(block) -> None:
+    if _is_moe(block):
+        block.ffn.experts.set_recompute_act(True)
+        if block.ffn.shared_experts is not None:
+            block.ffn.shared_experts.bank.set_recompute_act(True)
+
+
+def _layernorm(block) -> None:
+    recompute_outputs(block, (block.attn_norm, block.ffn_norm))
+
+
+# one function a part of RECOMPUTE_PARTS (the same keys: tests/unit/test_recompute_parts.py),
+# in the order they patch a block: layernorm's output recompute wraps the block's forward last
+_APPLY = {"core_attn": _core_attn, "mla_up_proj": _mla_up_proj, "mlp": _mlp, "experts": _experts,
+          "shared_experts": _shared_experts, "moe_act": _moe_act, "layernorm": _layernorm}

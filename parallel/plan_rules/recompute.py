@@ -2,6 +2,7 @@
 the parts that clash with tp or cp, and the parts the model does not have."""
 from __future__ import annotations  # ParallelPlan (parallel/plan.py) is named in hints only
 
+from ..recompute_parts import RECOMPUTE_PARTS
 from . import _err
 from .choices import RECOMPUTE_MODULES
 from .experts import _has_dense_ffn, _has_moe
@@ -42,12 +43,12 @@ def _check_recompute(p: ParallelPlan) -> None:
 def _check_recompute_model(p: ParallelPlan, m, moe_cfg) -> None:
     """A part the model does not have would be a setting that does nothing: refused."""
     moe, dense = _has_moe(moe_cfg), _has_dense_ffn(moe_cfg)
-    missing = {"mla_up_proj": getattr(m, "attention", "mha") != "mla",
-               "mlp": not dense, "moe_act": not moe, "experts": not moe,
-               "shared_experts": not moe or not getattr(moe_cfg, "num_shared_experts", 0)}
+    # whether the model has each of RECOMPUTE_PARTS' `needs` (a new kind of need: a KeyError here)
+    has = {"": True, "model.attention='mla'": getattr(m, "attention", "mha") == "mla",
+           "a block without MoE": dense, "MoE blocks": moe,
+           "moe.num_shared_experts > 0": moe and bool(getattr(moe_cfg, "num_shared_experts", 0))}
     for part in p.recompute_parts:
-        if missing.get(part):
-            what = {"mla_up_proj": "model.attention='mla'", "mlp": "a block without MoE",
-                    "shared_experts": "moe.num_shared_experts > 0"}.get(part, "MoE blocks")
+        what = RECOMPUTE_PARTS[part].needs
+        if not has[what]:
             raise _err(f"parallel.recompute_modules={part}: the model has no {part} (needs {what}); "
                        f"drop it from parallel.recompute_modules")

@@ -62,7 +62,7 @@ from collections import Counter
 from moe.wire import named_formats, wire_row_bytes
 
 from ..ledger import KINDS, classify
-from .expert_nodes import ep_nodes, expert_a2a_bytes, nodes_per_token
+from .expert_nodes import DISPATCH_CALLS, ep_nodes, expert_a2a_bytes, nodes_per_token
 from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
 from .rank_state import muon_facts
 
@@ -211,14 +211,13 @@ def _experts(w, plan, state, book, node_size: int) -> None:
 
 def a2a_calls(mode: str, passes: int) -> tuple:
     """(calls whose peers span the ep group, calls inside the node) of one MoE layer's
-    expert all-to-all per micro-batch: flat: the count table, dispatch and combine forward
-    (each forward pass), the two gradients backward, every call to the whole group;
-    hierarchical: hop 1 (two count tables, rows, index and gate, combine forward; both
-    row gradients and the gate gradient backward) to the group, hop 2 (count table,
-    dispatch, combine forward; two gradients backward) inside the node."""
-    if mode == "flat":
-        return 3 * passes + 2, 0
-    return 5 * passes + 3, 3 * passes + 2
+    expert all-to-all per micro-batch: the dispatcher's table (expert_nodes.DISPATCH_CALLS),
+    its forward calls once per forward pass."""
+    spread = inside = 0
+    for call in DISPATCH_CALLS[mode]:
+        n = passes if call.phase == "forward" else 1
+        spread, inside = (spread + n, inside) if call.reach == "group" else (spread, inside + n)
+    return spread, inside
 
 
 def a2a_row_bytes(mode: str, precision: str, D: int) -> tuple:

@@ -8,14 +8,18 @@ nu the expected distinct nodes a token's experts lie on, E experts; row bytes d 
 dispatch), c (forward combine), b (either backward) from moe/wire.py; x2 forward terms under
 recomputation.
 
-  flat          forward A d + N c + the [P, E] int64 count table, backward (A + N) b;
-                a share f of every term stays inside the node, 1 - f crosses
-  hierarchical  (moe/hierarchical.py) U = min(T nu, A) unique (token, node) rows:
-                inside and across as f / 1 - f: hop 1's U rows forward (d) and back (c),
+The calls and their bytes are the dispatchers' own tables (moe/ep_dispatcher.py FLAT_CALLS,
+moe/hierarchical.py HIERARCHICAL_CALLS), priced with a uniform spread, which makes a rank's
+proxy load its own: A1 = A, U1 = U, with U = min(T nu, A) the unique (token, node) rows
+(flat: U = A, unused). Calls of reach "group" split as f inside / 1 - f across, "node" calls
+stay inside; forward calls run `passes` times. So:
+  flat          forward A d + N c + the [P, E] int64 count table, backward (A + N) b, all
+                of it split f / 1 - f
+  hierarchical  inside and across as f / 1 - f: hop 1's U rows forward (d) and back (c),
                 their gradients both ways (2 U b), each assignment's int32 row index and fp32
                 gate (8 A), the gates' gradients (4 A), the [P, 1] and [P, E] count tables;
                 inside only: hop 2's A rows to the experts (d) and N back (c), their gradients
-                (A + N) b. A uniform spread makes a rank's proxy load its own A and U.
+                (A + N) b.
 The two hops run one after the other (no overlap between them): the planner adds their
 times, each on its own link (step_time.py).
 
@@ -27,9 +31,12 @@ K experts spread uniformly over its M kept nodes).
 from dataclasses import dataclass
 from math import comb
 
+from moe.ep_dispatcher import FLAT_CALLS
+from moe.hierarchical import HIERARCHICAL_CALLS
+
 from ..plan import ep_group_of
 
-INDEX_GATE_BYTES, GATE_GRAD_BYTES = 8, 4   # int32 row index + fp32 gate; the gate's gradient
+DISPATCH_CALLS = {"flat": FLAT_CALLS, "hierarchical": HIERARCHICAL_CALLS}   # by moe.dispatch
 
 
 @dataclass(frozen=True)
@@ -66,14 +73,14 @@ def expert_a2a_bytes(mode: str, tokens: float, own: float, r: float, nu: float,
     """(bytes inside the node, bytes across nodes) of one MoE layer's all-to-alls for one
     micro-batch on this rank: forward `passes` times, backward once."""
     d, c, b = rows
+    U = min(tokens * nu, own) if mode == "hierarchical" else own
+    sizes = dict(P=nodes.ep, E=E, A=own, A1=own, U=U, U1=U, N=r * own, d=d, c=c, b=b)
+    spread = inside = 0.0
+    for call in DISPATCH_CALLS[mode]:
+        nbytes = call.nbytes(sizes) * (passes if call.phase == "forward" else 1)
+        if call.reach == "group":
+            spread += nbytes
+        else:
+            inside += nbytes
     f = nodes.per / nodes.ep
-    N = r * own
-    table = nodes.ep * E * 8
-    if mode == "flat":
-        total = passes * (own * d + N * c + table) + (own + N) * b
-        return total * f, total * (1 - f)
-    U = min(tokens * nu, own)
-    spread_fwd = U * d + U * c + own * INDEX_GATE_BYTES + nodes.ep * 8 + table
-    spread = passes * spread_fwd + 2 * U * b + own * GATE_GRAD_BYTES
-    inside = passes * (own * d + N * c) + (own + N) * b
     return spread * f + inside, spread * (1 - f)

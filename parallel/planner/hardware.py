@@ -56,9 +56,12 @@ How the planner's numbers come from them -- one rule for every preset, nothing p
                              the latency is a few percent
   FP8 GEMMs                precision=fp8: the blocks' GEMMs (not the head, not attention's
                              scores) at FP8_PEAKS x FP8_GEMM_EFFICIENCY (0.68: DeepGEMM's
-                             1350 TFLOP/s of Hopper's 1979) instead of the bf16 rate; the
-                             expert GEMMs' shape slowdown applies as in bf16; the A100 (and
-                             a custom machine without --fp8-flops) runs them at the bf16 rate
+                             1350 TFLOP/s of Hopper's 1979) instead of the bf16 rate, on a
+                             preset whose compute capability runs both FP8 kernels (moe/fp8.py
+                             fp8_kernels, the runtime's own predicate, with deep_gemm taken as
+                             installed); the expert GEMMs' shape slowdown applies as in bf16;
+                             the A100 (and a custom machine without --fp8-flops) runs them at
+                             the bf16 rate
   host copies              = PCIe x16 per direction x 0.80 (offload)
   MFU                      = model FLOPs per GPU per second / the *peak* (not achievable)
 A custom machine: --flops (achievable), --peak-flops, --fp8-flops (achievable), --gpu-mem,
@@ -66,6 +69,8 @@ A custom machine: --flops (achievable), --peak-flops, --fp8-flops (achievable), 
 """
 import math
 from dataclasses import dataclass, replace
+
+from moe.fp8 import fp8_kernels
 
 GEMM_EFFICIENCY = 0.70
 SCALE_UP_EFFICIENCY = 370.0 / 450.0     # NVLink 4: busbw / line rate (nccl-tests#212)
@@ -111,6 +116,10 @@ DATA_SHEETS = {
 # dense FP8 (e4m3) tensor-core peaks without sparsity (TFLOP/s; data sheets: H100/H200/H800
 # SXM 1979, B200 4500, MI300X 2615; the A100 has no FP8 tensor cores)
 FP8_PEAKS = {"h100": 1979.0, "h200": 1979.0, "h800": 1979.0, "b200": 4500.0, "mi300x": 2615.0}
+# the compute capability torch reports for each preset (ROCm reports the gfx arch: gfx942 = 9.4),
+# which moe/fp8.py fp8_kernels turns into the FP8 kernels that run there
+CAPABILITIES = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0), "h800": (9, 0), "b200": (10, 0),
+                "mi300x": (9, 4)}
 # FP8 GEMMs with fine-grained scaling reach 1350+ TFLOP/s on Hopper (DeepSeek's DeepGEMM at
 # its release, H800 = H100's 1979 FP8 peak): 0.68 of the peak, the share every preset uses
 FP8_GEMM_EFFICIENCY = 1350.0 / 1979.0
@@ -182,12 +191,16 @@ def preset(name: str, gpus_per_node: int = 8) -> Hardware:
         raise ValueError(f"--hw {name!r} is not a preset; use one of {', '.join(DATA_SHEETS)} "
                          f"(or give --flops/--gpu-mem/--intra-bw/--inter-bw)")
     peak, mem, link, nic_gbit, pcie, hbm = DATA_SHEETS[name]
+    # the FP8 rate is DeepGEMM's, so a preset is priced as a machine with deep_gemm installed
+    # (on the MI300X an assumption: DeepGEMM builds for CUDA only, so the runtime emulates there)
+    kernels = fp8_kernels(CAPABILITIES[name], deep_gemm=True)
+    fp8_peak = FP8_PEAKS.get(name, 0.0) if kernels.matmul and kernels.grouped else 0.0
     return Hardware(gpu_mem_gb=mem, gpus_per_node=gpus_per_node,
                     intra_bw_gbs=link * SCALE_UP_EFFICIENCY,
                     inter_bw_gbs=nic_gbit / 8 * SCALE_OUT_EFFICIENCY,
                     tflops=peak * GEMM_EFFICIENCY, host_bw_gbs=pcie * HOST_EFFICIENCY,
                     peak_tflops=peak, hbm_tbs=hbm,
-                    fp8_tflops=FP8_PEAKS.get(name, 0.0) * FP8_GEMM_EFFICIENCY, name=name)
+                    fp8_tflops=fp8_peak * FP8_GEMM_EFFICIENCY, name=name)
 
 
 def with_overrides(hw: Hardware, **given) -> Hardware:

@@ -170,40 +170,89 @@ def _shared_d_ff(w) -> int:
 
 
 def recompute_saved_elems(w, i: int, plan) -> float:
-    """Elements per token (activation dtype) selective recomputation frees in block i (the
-    module docstring's list)."""
-    parts, m, a = set(plan.recompute_parts), w.model_cfg, act_bytes(plan.precision)
-    D, glu = m.d_model, 3 if w.gated else 2
-    moe = w.is_moe_block(i)
-    r = 1.0
-    if moe and plan.ep > 1:
-        r = min(w.imbalance, w.moe_cfg.capacity_factor or w.imbalance)
-    F_s = _shared_d_ff(w) if moe else 0
+    """Elements per token (activation dtype) selective recomputation frees in block i: the
+    terms FREED_ELEMS gives for each of the plan's parts (the module docstring's list)."""
+    b = _BlockFacts.of(w, i, plan)
     out = 0.0
-    if "layernorm" in parts:
-        held = ("mlp" in parts and not moe) or ("shared_experts" in parts and F_s > 0)
-        if plan.precision == "fp32":
-            out += D + (0 if held else D)
-        elif moe and not held:
-            out += D * 4 / a
-    if moe and "experts" in parts:
-        out += r * w.moe_cfg.top_k * glu * w.expert_d_ff
-    elif moe and "moe_act" in parts:
-        out += r * w.moe_cfg.top_k * w.expert_d_ff
-    if moe and "shared_experts" in parts:
-        out += glu * F_s
-    elif moe and "moe_act" in parts:
-        out += F_s
-    if not moe and "mlp" in parts:
-        out += glu * m.d_ff
-    if "mla_up_proj" in parts and getattr(m, "attention", "mha") == "mla":
-        # the latents before and after their RMSNorms (the norms run inside the recomputed
-        # part: LatentAttention.up) and each norm's fp32 reciprocal root
-        norms = 2 if m.q_lora_rank else 1
-        out += 2 * (m.q_lora_rank + m.kv_lora_rank) + norms * 4 / a
-    if "core_attn" in parts:
-        out += m.n_heads * 4 / a
+    for part, terms in FREED_ELEMS.items():   # the table's order: the sum's order, fixed
+        if part in b.parts:
+            for term in terms(b):
+                out += term
     return out
+
+
+@dataclass(frozen=True)
+class _BlockFacts:
+    """What the parts' freed elements of one block are computed from."""
+    parts: frozenset
+    m: object        # the model config
+    a: int           # bytes per activation element
+    D: int
+    glu: int         # the FFN's hidden tensors per d_ff column: 3 gated, else 2
+    moe: bool        # an MoE block
+    r: float         # routed rows per assignment on this rank (the imbalance under ep)
+    top_k: int
+    F_e: int         # an expert's d_ff
+    F_s: int         # the shared experts' d_ff (0 in a dense block)
+
+    @classmethod
+    def of(cls, w, i: int, plan) -> "_BlockFacts":
+        moe = w.is_moe_block(i)
+        r = 1.0
+        if moe and plan.ep > 1:
+            r = min(w.imbalance, w.moe_cfg.capacity_factor or w.imbalance)
+        return cls(frozenset(plan.recompute_parts), w.model_cfg, act_bytes(plan.precision),
+                   w.model_cfg.d_model, 3 if w.gated else 2, moe, r,
+                   w.moe_cfg.top_k if moe else 0, w.expert_d_ff if moe else 0,
+                   _shared_d_ff(w) if moe else 0)
+
+
+def _layernorm_freed(b) -> tuple:
+    # a norm output also read by a checkpointed mlp / shared_experts stays, held as its input
+    held = ("mlp" in b.parts and not b.moe) or ("shared_experts" in b.parts and b.F_s > 0)
+    if b.a == 4:   # fp32: the norms' outputs themselves
+        return (b.D + (0 if held else b.D),)
+    return (b.D * 4 / b.a,) if b.moe and not held else ()   # autocast: the router's fp32 copy
+
+
+def _experts_freed(b) -> tuple:
+    return (b.r * b.top_k * b.glu * b.F_e,) if b.moe else ()
+
+
+def _moe_act_freed(b) -> tuple:
+    """The activation outputs, where experts / shared_experts do not free them already."""
+    if not b.moe:
+        return ()
+    routed = () if "experts" in b.parts else (b.r * b.top_k * b.F_e,)
+    return routed + (() if "shared_experts" in b.parts else (b.F_s,))
+
+
+def _shared_experts_freed(b) -> tuple:
+    return (b.glu * b.F_s,) if b.moe else ()
+
+
+def _mlp_freed(b) -> tuple:
+    return () if b.moe else (b.glu * b.m.d_ff,)
+
+
+def _mla_up_proj_freed(b) -> tuple:
+    if getattr(b.m, "attention", "mha") != "mla":
+        return ()
+    # the latents before and after their RMSNorms (the norms run inside the recomputed part:
+    # LatentAttention.up) and each norm's fp32 reciprocal root
+    norms = 2 if b.m.q_lora_rank else 1
+    return (2 * (b.m.q_lora_rank + b.m.kv_lora_rank) + norms * 4 / b.a,)
+
+
+def _core_attn_freed(b) -> tuple:
+    return (b.m.n_heads * 4 / b.a,)
+
+
+# what each part of parallel/recompute_parts.py frees, as terms of elements per token (the
+# same keys: tests/unit/test_recompute_parts.py); the order is the sum's
+FREED_ELEMS = {"layernorm": _layernorm_freed, "experts": _experts_freed, "moe_act": _moe_act_freed,
+               "shared_experts": _shared_experts_freed, "mlp": _mlp_freed,
+               "mla_up_proj": _mla_up_proj_freed, "core_attn": _core_attn_freed}
 
 
 @dataclass

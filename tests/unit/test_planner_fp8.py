@@ -103,3 +103,26 @@ def test_the_searchs_bounds_stay_below_fp8_predictions():
         assert bound <= pred.step_s * (1 + 1e-9)
         checked += 1
     assert checked == 5
+
+
+@pytest.mark.parametrize("name", ["a100", "h100", "h200", "h800", "b200", "mi300x"])
+def test_the_planner_prices_fp8_where_the_runtime_runs_its_kernels(name, monkeypatch):
+    """One predicate (moe/fp8.py fp8_kernels): a preset's GEMMs are priced at the FP8 rate
+    exactly where the runtime, on that GPU with deep_gemm installed, runs both FP8 kernels
+    rather than the emulation -- the Linears' (parallel/fp8.py fp8_matmul_available) and the
+    expert banks' grouped GEMM (moe/fp8.py grouped_fp8_kernel, which returns None before it
+    needs a real GPU where the predicate says no)."""
+    import torch
+
+    import moe.fp8 as fp8
+    from parallel.fp8 import fp8_matmul_available
+    from parallel.planner.hardware import CAPABILITIES
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: CAPABILITIES[name])
+    monkeypatch.setattr(fp8, "_deep_gemm_installed", lambda: True)
+    cuda = torch.device("cuda")
+    grouped = fp8.device_fp8_kernels(cuda).grouped
+    assert (preset(name).fp8_tflops > 0) == (fp8_matmul_available(cuda) and grouped)
+    if not grouped:   # past the predicate it would need torchao's kernels and a real GPU
+        asked, ask = [], fp8.device_fp8_kernels
+        monkeypatch.setattr(fp8, "device_fp8_kernels", lambda d: asked.append(d) or ask(d))
+        assert fp8.grouped_fp8_kernel(cuda) is None and asked == [cuda]

@@ -24,6 +24,7 @@ from moe.aux import collect_aux_loss
 from parallel.plan import ParallelPlan
 from parallel.planner.memory import recompute_saved_elems
 from parallel.recompute import apply_recompute
+from parallel.recompute_parts import RECOMPUTE_PARTS
 from trainer.config import load_config
 from trainer.memory import _LiveBytes, _Tracker
 from trainer.planning import workload_from_config
@@ -90,11 +91,10 @@ def _held_bytes(over, parts) -> int:
 CPU_OUTPUT_COPY = 32 * 4 * 4 * B * S  # H x Dv = D fp32 per token, in each of the 4 blocks
 
 
-@pytest.mark.parametrize("over, part, low, high", [
-    (GPT, "layernorm", 1 / 1.1, 1.1), (GPT, "moe_act", 1 / 1.1, 1.1), (GPT, "experts", 1 / 1.1, 1.1),
-    (GPT, "shared_experts", 1 / 1.1, 1.1), (GPT, "mlp", 1 / 1.1, 1.1), (GPT, "core_attn", None, None),
-    (MLA, "mla_up_proj", 1 / 1.1, 1.1)])
-def test_freed_memory_matches_the_planner(over, part, low, high):
+@pytest.mark.parametrize("part", list(RECOMPUTE_PARTS))   # every part (parallel/recompute_parts.py)
+def test_freed_memory_matches_the_planner(part):
+    over = MLA if RECOMPUTE_PARTS[part].needs == "model.attention='mla'" else GPT
+    low, high = 1 / 1.1, 1.1
     cfg = load_config(None, over + ["parallel.recompute=selective", f"parallel.recompute_modules={part}"])
     w = workload_from_config(cfg)
     plan = w.validate(cfg.parallel, 1)
