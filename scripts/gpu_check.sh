@@ -38,8 +38,10 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD into $OUT/NAME.txt, prints its 
   echo "== $name: rc=$rc, $((SECONDS - t0)) s (full output: $OUT/$name.txt)"
   tail -n "${TAIL:-6}" "$OUT/$name.txt"
 }
-step gpu_tier 150 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
-TAIL=4 step layer_profile 60 "$PY" bench/layer_profile.py --tokens 16384 --d-model 2048 --d-ff 1024 --experts 16 --top-k 2
-TAIL=30 step moe_layer 300 "$PY" bench/moe_layer.py --tokens 16384 --d-model 2048 --d-ff 1024 \
-    --dtypes bf16 --ks 2,1 --skip sweep --reps 10 --warmup 3
+step gpu_tier 120 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+TAIL=4 step layer_profile 45 "$PY" bench/layer_profile.py --tokens 16384 --d-model 2048 --d-ff 1024 --experts 16 --top-k 2
+TAIL=30 step moe_layer 150 "$PY" bench/moe_layer.py --tokens 16384 --d-model 2048 --d-ff 1024 \
+    --dtypes bf16 --ks 2,1 --skip sweep --reps 5 --warmup 2
+# the Qwen3-30B-A3B-shaped MoE and its dense twin through train.py, eager and compiled (issue 59)
+TAIL=8 step gpu_step 210 "$PY" bench/gpu_step.py --steps 8 --warmup 3
 exit 0

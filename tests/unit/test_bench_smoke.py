@@ -69,3 +69,17 @@ def test_fp8_bench_quick_runs():
         assert "emulat" not in out.stdout, out.stdout
     else:
         assert lines[-1] == emulation and "tensor-core" not in out.stdout, out.stdout
+
+
+def test_gpu_step_bench_quick_runs():
+    """bench/gpu_step.py --quick (eager only): the MoE and its dense twin each trained through
+    train.py's run, a row each, the MoE's tokens/s as a fraction of the twin's (on a CPU:
+    no MFU, no allocator peak)."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_step.py"), "--quick", "--modes", "eager"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines()
+            if ln.split()[:2] in (["dense", "eager"], ["moe", "eager"])}
+    assert sorted(rows) == ["dense", "moe"], out.stdout
+    dense_tps, moe_tps = float(rows["dense"][2]), float(rows["moe"][2])
+    assert abs(float(rows["moe"][7]) - moe_tps / dense_tps) < 0.02, out.stdout
