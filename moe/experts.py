@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
+from .fusion import is_plain
 from .fp8 import check_block_dims, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl, unsupported_reason
 
@@ -354,7 +355,7 @@ def _act_out(act, h_nF, h3_nF, w2_FD, b2_D, linear=_linear):
 def _plain(x_ND, params, same_dtype: bool = True) -> bool:
     """The fused path needs ordinary (not DTensor) tensors on one device (and of one dtype)."""
     ps = [p for p in params if p is not None]
-    return all(type(t) in (torch.Tensor, nn.Parameter) and t.device == x_ND.device
+    return all(is_plain(t) and t.device == x_ND.device
                and (t.dtype == x_ND.dtype or not same_dtype) for t in [x_ND] + ps)
 
 

@@ -7,6 +7,7 @@ from outside sees one opaque op either way.
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 @functools.cache
@@ -17,3 +18,10 @@ def _compiled(fn):
 def run_fused(fn, device_of: torch.Tensor, *args):
     """fn(*args), compiled when `device_of` is on CUDA."""
     return (_compiled(fn) if device_of.is_cuda else fn)(*args)
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    """An ordinary tensor or parameter (not a DTensor or another subclass), where moekit's
+    fused paths apply; a fake tensor (the planner's traced step,
+    parallel/planner/traced_bytes.py) stands for one."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, FakeTensor)

@@ -19,6 +19,7 @@ path. So "auto" on CUDA picks grouped_mm for bf16 on >= 9.0 and the loop otherwi
 explicit grouped_mm below 8.0 fails with one line.
 """
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 EXPERT_IMPLS = ("auto", "loop", "grouped_mm")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,8 +100,8 @@ def offsets_from_counts(counts, device) -> torch.Tensor:
 
 @torch.library.custom_op("moekit::grouped_mm", mutates_args=())
 def _opaque_gmm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm as an op torch.compile does not look into: its own fake kernel
-    takes bf16 only, while the eager kernel takes fp32 and fp16 too."""
+    """torch._grouped_mm as an op torch.compile (and a fake-tensor trace) does not look into:
+    its own fake kernel takes bf16 only, while the eager kernel takes fp32 and fp16 too."""
     return torch._grouped_mm(a, b, offs=offs_E)
 
 
@@ -112,8 +113,8 @@ def _(a, b, offs_E):
 
 
 def _gmm(a, b, offs_E):
-    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-        return _opaque_gmm(a.contiguous(), b, offs_E)
+    if a.dtype != torch.bfloat16 and (torch.compiler.is_compiling() or isinstance(a, FakeTensor)):
+        return _opaque_gmm(a, b, offs_E)
     return torch._grouped_mm(a, b, offs=offs_E)
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .fusion import run_fused
+from .fusion import is_plain, run_fused
 from .losses import router_z_loss
 from .scoring import balance_probs, scores_from_logits
 
@@ -137,5 +137,5 @@ router_logits.register_autograd(_logits_autograd, setup_context=_logits_setup)
 def plain(*tensors) -> bool:
     """Plain tensors (no DTensor or other subclass), and no autocast on their device: where
     the custom ops apply."""
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors) and \
+    return all(is_plain(t) for t in tensors) and \
         not torch.is_autocast_enabled(tensors[0].device.type)

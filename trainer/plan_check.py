@@ -93,8 +93,12 @@ class PlanCheck:
                "preset": self.preset}
         line = f"planner check (rank 0's stage, {pred['name']}): peak memory " \
                f"{out['predicted_peak_bytes'] / 1e6:.1f} MB predicted"
-        line += f", {peak[1] / 1e6:.1f} MB measured (step {peak[0]})" if peak else \
-            " (not measured: log.peak_mem=false)"
+        if peak:
+            out["peak_measured_over_predicted"] = peak[1] / out["predicted_peak_bytes"]
+            line += f", {peak[1] / 1e6:.1f} MB measured (step {peak[0]}; measured/predicted " \
+                    f"{out['peak_measured_over_predicted']:.2f})"
+        else:
+            line += " (not measured: log.peak_mem=false)"
         if self.preset:
             out.update(predicted_step_s_min=pred["step_s_min"], predicted_step_s=pred["step_s"])
             line += f"; step time {pred['step_s_min'] * 1e3:.4g} .. {pred['step_s'] * 1e3:.4g} ms " \
@@ -103,7 +107,11 @@ class PlanCheck:
             line += "; step time not predicted (no hardware preset for this device)"
         if measured:
             line += f", {out['measured_step_s'] * 1e3:.4g} ms measured (median of steps " \
-                    f"{min(measured)}-{max(measured)})"
+                    f"{min(measured)}-{max(measured)}"
+            if self.preset:
+                out["step_measured_over_predicted"] = out["measured_step_s"] / pred["step_s"]
+                line += f"; measured/predicted {out['step_measured_over_predicted']:.2f}"
+            line += ")"
         (self.run_dir / "planner_check.json").write_text(json.dumps(out, indent=1))
         return line
 

@@ -31,7 +31,8 @@ __all__ = ["OpCensus", "GEMM_OPS", "SYNC_OPS"]
 aten = torch.ops.aten
 GEMM_OPS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "_grouped_mm", "_scaled_mm",
             "_scaled_grouped_mm", "matmul", "linear", "addmv", "mv", "dot",
-            "router_logits", "router_logits_backward"}  # moe/router_ops.py: GEMMs on a GPU
+            "router_logits", "router_logits_backward",  # moe/router_ops.py: GEMMs on a GPU
+            "grouped_mm"}  # moe/grouped_mm.py's opaque torch._grouped_mm (compile, fake traces)
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "bincount", "_unique", "_unique2",
             "unique_dim", "unique_consecutive", "masked_select"}
 # ops that move no data: views, metadata, and allocations of uninitialized memory
@@ -42,7 +43,8 @@ FREE_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose",
             "_reshape_alias", "view_as", "unflatten", "flatten", "sym_size", "sym_stride",
             "sym_numel", "sym_storage_offset", "is_same_size", "_to_copy_noop",
             "record_stream", "set_", "resize_", "_record_function_enter_new",
-            "_record_function_exit", "promote_types"}
+            "_record_function_exit", "promote_types",
+            "device", "dtype", "layout"}  # prims a fake-tensor trace asks: metadata
 
 
 HOST_MADE = {"lift_fresh", "lift_fresh_copy"}  # torch.tensor(python data)

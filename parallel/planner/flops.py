@@ -46,6 +46,7 @@ class Unit:
 class ModelCosts:
     units: dict = field(default_factory=dict)   # (stream, block index or -1) -> Unit
     score_width: int = 0    # multiply-adds per (query, key) pair over all heads (QK^T + AV)
+    step_bytes: object = None  # traced_bytes.StepBytes the search bounds with (None: not priced)
 
 
 def _stream(name: str) -> str:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
 from .flops import model_flops, rank_flops
-from .memory import activations, model_state, peak_bytes
+from .memory import activations, micro_seqs, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
+from .traced_bytes import rank_bytes, step_bytes
 from ..pipeline.schedules import bubble_fraction
 from .comm import micro_count
 from .step_time import (a2a_by_node, a2a_overlap_degree, comm_seconds, expert_gemm_slowdown,
@@ -33,6 +34,8 @@ class StagePrediction:
     step_s_min: float = 0.0    # lower bound: overlappable communication hidden (step_time.py)
     a2a_nodes: dict = field(default_factory=dict)  # expert_all_to_all_{intra,inter}_node bytes
     a2a_exposed_s: float = 0.0  # the expert all-to-all's seconds not hidden (lower bound)
+    membound_bytes: float = 0.0  # non-GEMM bytes of the step (traced_bytes.py), None: not traced
+    membound_s: float = 0.0    # those bytes at the HBM bandwidth (in step_s, on the compute stream)
 
 
 @dataclass
@@ -67,6 +70,18 @@ class StateCache:
 
     def __init__(self, build_model, workload=None):
         self.build_model, self.states, self.workload = build_model, {}, workload
+        self.traced = {}  # precision -> traced_bytes.StepBytes (or the error that stopped it)
+
+    def step_bytes(self, w, precision: str):
+        """The workload's traced memory-bound bytes (traced_bytes.step_bytes), once per
+        precision; None where the trace cannot run this model (said in the report)."""
+        if precision not in self.traced:
+            try:
+                self.traced[precision] = step_bytes(w, precision)
+            except Exception as e:  # noqa: BLE001 - a model the fake trace cannot run
+                self.traced[precision] = e
+        got = self.traced[precision]
+        return None if isinstance(got, Exception) else got
 
     def get(self, plan, rank):
         zero = 1 if plan.zero in (0, 1, 2) else 3
@@ -138,6 +153,10 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, m, hw)
         hidden = hideable_seconds(comm_s, plan, d, paired[stage])
+        sb = cache.step_bytes(w, plan.precision) if hw.hbm_tbs else None  # priced where known
+        membound = rank_bytes(sb, w, plan, state, micro_seqs(w, plan), m) if sb else None
+        membound_s = membound / (hw.hbm_tbs * 1e12) if membound else 0.0
+        timed += membound_s * hw.tflops * 1e12  # memory-bound kernels hold the compute stream
         step_s = stage_seconds(timed, comm_s, out.bubble, hw, predicted_hidden(hidden, plan),
                                pipeline_pairing(plan, m, timed, comm_s, hw,
                                                 sum(map(w.is_moe_block, state.block_ids))))
@@ -147,7 +166,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             flops, comm_s, step_s,
             # the bound never above the prediction (a simulated pairing may gain more)
             min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
-            a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden)))
+            a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden),
+            membound, membound_s))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

@@ -147,6 +147,7 @@ def pred_dict(p) -> dict:
                        "comm_bytes": s.comm_bytes, "wire_bytes": s.wire_bytes, "flops": s.flops, "comm_s": s.comm_s,
                        "step_s": s.step_s, "step_s_min": s.step_s_min,
                        "a2a_exposed_s": s.a2a_exposed_s,
+                       "membound_bytes": s.membound_bytes, "membound_s": s.membound_s,
                        "async_save_host_bytes": async_save_host_bytes(s.model_state)}
                       for s in p.stages]}
 

@@ -54,6 +54,7 @@ from .flops import model_flops
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
 from .step_time import expert_gemm_slowdown, fp8_gemm_time
+from .traced_bytes import token_bytes
 
 SLACK = 1 - 1e-9  # bounds and predictions add the same terms in another order
 
@@ -356,6 +357,9 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
     slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw)
     for st, own in zip(stages, held):
         compute = rank_flops(costs, w, plan, st, slowdown, fp8) / (hw.tflops * 1e12)
+        if costs.step_bytes is not None:  # its memory-bound work per token (traced_bytes.py)
+            compute += token_bytes(costs.step_bytes, w, plan, st.block_ids, st.last_stage) / \
+                (hw.hbm_tbs * 1e12)
         stretched, rest = inside_seconds(w, plan, st, hw)
         xs.append((compute + stretched) / (1 - bubble) + rest)
         worst = max(worst, xs[-1] + sync(own, 1))
@@ -436,10 +440,16 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
     flops_s = {}
     fp8 = fp8_gemm_time(base, hw)   # < 1 under precision=fp8: every FLOP at the FP8 rate, a bound
 
+    sb = cache.step_bytes(w, base.precision) if hw.hbm_tbs else None
+    costs = dataclasses.replace(costs, step_bytes=sb)
+    # the memory-bound bytes every token pays, over the world (each rank's share of them)
+    per_token_s = 0.0 if sb is None else w.batch_size * sum(w.stream_tokens.values()) * \
+        sum(u.per_token for u in sb.units.values()) / (hw.hbm_tbs * 1e12)
+
     def compute(s):
         imb = w.imbalance if s["ep"] > 1 else 1.0
         if imb not in flops_s:
-            flops_s[imb] = model_flops(costs, w, imb) * fp8 / (hw.tflops * 1e12)
+            flops_s[imb] = model_flops(costs, w, imb) * fp8 / (hw.tflops * 1e12) + per_token_s
         return flops_s[imb] / world
 
     heap, tick = [], itertools.count()

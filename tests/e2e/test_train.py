@@ -104,6 +104,8 @@ def test_one_and_two_processes_resume_and_relayout(tmp_path, cache):
     assert "planner check (rank 0's stage, dp2 " in out.stdout + out.stderr
     assert check["measured_peak_step"] == 2
     assert abs(check["predicted_peak_bytes"] / check["measured_peak_bytes"] - 1) < 0.2, check
+    assert check["peak_measured_over_predicted"] == \
+        check["measured_peak_bytes"] / check["predicted_peak_bytes"]
     assert check["preset"] is None and "predicted_step_s" not in check
     # the CPU default (log.peak_mem_every=0: every 50th) measures only the second of 6 steps
     assert [r["step"] for r in records(two) if "peak_mem_bytes" in r] == [2]
