@@ -8,10 +8,13 @@ backward makes an fp32 [N, V] gradient before casting it to bf16. For Qwen3's vo
 (151,936) and 16k tokens that is 10 GB per fp32 copy. `chunked_cross_entropy` saves only the
 logits and one fp32 log-sum-exp per row; it walks the rows in chunks of about CHUNK_BYTES of
 fp32 in the forward (log-sum-exp and target logit) and again in the backward (softmax minus
-one-hot, written straight into the logits' dtype). Per row the arithmetic is the same fp32
-arithmetic as torch's; only the order of the final sum over rows differs (fp32 rounding).
+one-hot, in the logits' dtype), each chunk one fused op (ce_chunk, ce_chunk_grad_). Per row
+the arithmetic is the same fp32 arithmetic as torch's; only the order of the final sum over
+rows differs (fp32 rounding).
 """
 import torch
+
+from moe.fusion import run_fused
 
 CHUNK_BYTES = 1 << 30  # fp32 bytes of one chunk of rows: large enough that launches stay few
 IGNORE = -100
@@ -22,35 +25,67 @@ def chunk_rows(n_rows: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, min(n_rows, chunk_bytes // (4 * vocab)))
 
 
+def _chunk_forward(logits_RV, target_R, valid_R):
+    x_RV = logits_RV.float()
+    lse_R = torch.logsumexp(x_RV, dim=-1)
+    picked_R = x_RV.gather(1, target_R.unsqueeze(1)).squeeze(1)
+    return lse_R, torch.where(valid_R, lse_R - picked_R, 0.0).sum()
+
+
+def _chunk_backward(logits_RV, target_R, lse_R, scale_R, grad_RV):
+    p_RV = (logits_RV.float() - lse_R.unsqueeze(1)).exp()
+    p_RV = p_RV.scatter_add(1, target_R.unsqueeze(1), torch.full_like(lse_R, -1.0).unsqueeze(1))
+    grad_RV.copy_(p_RV * scale_R.unsqueeze(1))
+
+
+# One op per chunk and direction: on CUDA each is one inductor-fused kernel (moe/fusion.py)
+# reading the bf16 logits once (and writing the gradient once), where eager ops would make an
+# fp32 copy and several full passes; the op census counts them as the fused kernels they are.
+@torch.library.custom_op("moekit::ce_chunk", mutates_args=())
+def ce_chunk(logits_RV: torch.Tensor, target_R: torch.Tensor,
+             valid_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-sum-exp per row, fp32 sum of the labelled rows' losses)."""
+    return run_fused(_chunk_forward, logits_RV, logits_RV, target_R, valid_R)
+
+
+@torch.library.custom_op("moekit::ce_chunk_grad_", mutates_args=("grad_RV",))
+def ce_chunk_grad_(logits_RV: torch.Tensor, target_R: torch.Tensor, lse_R: torch.Tensor,
+                   scale_R: torch.Tensor, grad_RV: torch.Tensor) -> None:
+    """grad_RV = (softmax - one-hot) x the row's scale, in grad_RV's (the logits') dtype."""
+    run_fused(_chunk_backward, logits_RV, logits_RV, target_R, lse_R, scale_R, grad_RV)
+
+
+@ce_chunk.register_fake
+def _(logits_RV, target_R, valid_R):
+    return logits_RV.new_empty(logits_RV.shape[0], dtype=torch.float32), \
+        logits_RV.new_empty((), dtype=torch.float32)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, labels_N, rows: int):
         valid_N = labels_N != IGNORE
-        target_N1 = labels_N.clamp_min(0).unsqueeze(1)
-        lse_N = torch.empty(logits_NV.shape[0], dtype=torch.float32, device=logits_NV.device)
-        total = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
+        target_N = labels_N.clamp_min(0)
+        lse, total = [], []
         for s in range(0, logits_NV.shape[0], rows):
-            x_RV = logits_NV[s:s + rows].float()
-            lse_R = torch.logsumexp(x_RV, dim=-1)
-            lse_N[s:s + rows] = lse_R
-            picked_R = x_RV.gather(1, target_N1[s:s + rows]).squeeze(1)
-            total = total + torch.where(valid_N[s:s + rows], lse_R - picked_R, 0.0).sum()
+            lse_R, total_R = ce_chunk(logits_NV[s:s + rows], target_N[s:s + rows], valid_N[s:s + rows])
+            lse.append(lse_R)
+            total.append(total_R)
         count = valid_N.sum()
-        ctx.save_for_backward(logits_NV, target_N1, valid_N, lse_N, count)
+        lse_N = lse[0] if len(lse) == 1 else torch.cat(lse)
+        ctx.save_for_backward(logits_NV, target_N, valid_N, lse_N, count)
         ctx.rows = rows
-        return total / count
+        return (total[0] if len(total) == 1 else torch.stack(total).sum()) / count
 
     @staticmethod
     def backward(ctx, grad):
-        logits_NV, target_N1, valid_N, lse_N, count = ctx.saved_tensors
+        logits_NV, target_N, valid_N, lse_N, count = ctx.saved_tensors
         rows = ctx.rows
-        scale_N1 = torch.where(valid_N, grad / count, 0.0).unsqueeze(1)
+        scale_N = torch.where(valid_N, grad / count, 0.0)
         grad_NV = torch.empty_like(logits_NV)
         for s in range(0, logits_NV.shape[0], rows):
-            p_RV = (logits_NV[s:s + rows].float() - lse_N[s:s + rows, None]).exp_()
-            p_RV.scatter_add_(1, target_N1[s:s + rows], torch.full_like(target_N1[s:s + rows], -1,
-                                                                       dtype=p_RV.dtype))
-            grad_NV[s:s + rows] = p_RV.mul_(scale_N1[s:s + rows])
+            ce_chunk_grad_(logits_NV[s:s + rows], target_N[s:s + rows], lse_N[s:s + rows],
+                           scale_N[s:s + rows], grad_NV[s:s + rows])
         return grad_NV, None, None
 
 
