@@ -64,6 +64,8 @@ def nodes_per_token(w, nodes: EpNodes) -> float:
     E, K = moe.num_experts, moe.top_k
     M = min(getattr(moe, "max_nodes", 0) or n, n)
     per_node = E // n
+    if per_node == 0:  # more nodes than experts (a structure the search bounds before its
+        return float(min(K, M))  # validation refuses it): each expert on its own node
     reach = M * per_node
     return M * (1 - comb(reach - per_node, K) / comb(reach, K))
 

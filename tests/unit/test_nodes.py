@@ -253,6 +253,14 @@ def test_nodes_per_token_one_node_and_measured():
     assert nodes_per_token(measured, EpNodes(ep=4, per=2, count=2)) == 1.37
 
 
+def test_nodes_per_token_over_more_nodes_than_experts():
+    """The search bounds structures before validation refuses them: an ep group over 16
+    nodes with 8 experts (Mixtral at world 1024) has each expert on a node of its own, so a
+    token's K experts lie on K nodes (it divided by zero)."""
+    w = SimpleNamespace(moe_cfg=MoEConfig(num_experts=8, top_k=2).validate(), nodes_per_token=0)
+    assert nodes_per_token(w, EpNodes(ep=16, per=1, count=16)) == 2.0
+
+
 ROWS = (100, 200, 300)   # d, c, b bytes per row
 TWO_NODES = EpNodes(ep=4, per=2, count=2)
 
