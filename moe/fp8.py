@@ -146,6 +146,19 @@ def device_fp8_kernels(device: torch.device) -> FP8Kernels:
     return fp8_kernels(torch.cuda.get_device_capability(device), _deep_gemm_installed())
 
 
+def emulated_gemms(kernels: FP8Kernels) -> list:
+    """Which of precision=fp8's GEMMs would run the emulation (quantize, dequantize, an fp32
+    matmul: 3.8-5.3x slower than bf16 on an H200) with these kernels; [] when none would."""
+    out = []
+    if not kernels.grouped:
+        out.append("the expert banks' and FFNs' 128x128-block GEMMs (torchao's grouped kernel "
+                   "needs the deep_gemm package and compute capability 9.0+)")
+    if not kernels.matmul:
+        out.append("the attention Linears' GEMMs (FP8 matmuls need compute capability "
+                   f"{FP8_MATMUL_CAPABILITY[0]}.{FP8_MATMUL_CAPABILITY[1]}+)")
+    return out
+
+
 def grouped_fp8_kernel(device: torch.device):
     """torchao's grouped blockwise FP8 GEMM (A [T, K] row-major, B_t [E, K, N] column-major
     per expert, int32 end offsets) where it runs real FP8 kernels on `device`, else None."""

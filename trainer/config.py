@@ -424,9 +424,26 @@ def compile_choice(cfg: Config) -> tuple:
     if value != "auto":
         return value, f"parallel.compile={str(value).lower()}"
     from parallel.compile import auto_compile
+    return auto_compile(cfg.parallel, run_device_type(cfg), bool(cfg.hf.family))
+
+
+def run_device_type(cfg: Config) -> str:
+    """The device type run.device resolves to ('cuda' or 'cpu')."""
     from parallel.mesh import default_device_type
-    device = default_device_type() if cfg.run.device == "auto" else cfg.run.device
-    return auto_compile(cfg.parallel, device, bool(cfg.hf.family))
+    return default_device_type() if cfg.run.device == "auto" else cfg.run.device
+
+
+def _check_fp8_kernels(cfg: Config, plan) -> None:
+    """precision=fp8 on a GPU whose FP8 GEMMs would be emulated is refused: it trains slower
+    than bf16 (issue 60). A CPU keeps the emulation: the reference the tests run."""
+    if plan.precision != "fp8" or run_device_type(cfg) != "cuda":
+        return
+    import torch
+    from moe.fp8 import device_fp8_kernels, emulated_gemms
+    slow = emulated_gemms(device_fp8_kernels(torch.device("cuda", torch.cuda.current_device())))
+    _require(not slow, f"parallel.precision=fp8 on this GPU would run {' and '.join(slow)} as "
+                       f"an emulation, slower than bf16; install deep_gemm (SM90+) or set "
+                       f"parallel.precision=bf16")
 
 
 def validate(cfg: Config, world_size: int):
@@ -444,4 +461,5 @@ def validate(cfg: Config, world_size: int):
     _check_replay(cfg, plan)
     _check_batching(cfg, plan)
     _check_optimizer(cfg, plan)
+    _check_fp8_kernels(cfg, plan)
     return plan
