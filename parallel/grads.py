@@ -50,9 +50,13 @@ def grad_norm(items: list, device, distributed: bool) -> torch.Tensor:
     fp64 when the gradients are fp64 (summed in the wider of fp32 and their dtype)."""
     acc = torch.float64 if any(g.dtype == torch.float64 for g, _ in items) else torch.float32
     total = torch.zeros((), dtype=acc, device=device)
+    by_weight = {}  # one foreach kernel per weight, dtype and device, not four per tensor
     for g, weight in items:
         if weight:
-            total += g.to(acc).pow(2).sum() * weight
+            by_weight.setdefault((weight, g.dtype, g.device), []).append(g)
+    for (weight, _, _), grads in by_weight.items():
+        norms = torch._foreach_norm(grads, 2, dtype=acc)
+        total += torch.stack(norms).square().sum().to(device) * weight
     if distributed:
         dist.all_reduce(total)
     return total.sqrt()
