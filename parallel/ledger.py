@@ -33,6 +33,7 @@ Kind, from the op and the process group it runs on (mesh.py dims):
                             group alone cannot tell them from gradient sync)
 """
 import contextlib
+import threading
 from collections import Counter
 
 import torch
@@ -80,6 +81,15 @@ def _group_of(args):
     return (strings[-1] if strings else None), None  # functional collectives pass the name
 
 
+def _resolve(name: str):
+    """The ProcessGroup registered under `name`, or None."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
 def classify(collective: str, dims: set) -> str:
     """The ledger kind of a collective class run on a group that is these mesh dims."""
     if "tied" in dims:
@@ -125,15 +135,30 @@ class CommLedger:
                 self.order_of[group.group_name] = list(dist.get_process_group_ranks(group))
         self.ranks_per_node = ranks_per_node
         self.bytes, self.inter, self.calls, self.a2a_nodes = Counter(), Counter(), Counter(), Counter()
-        self.label = None
+        self._labels = threading.local()  # a label is its thread's: under parallel.a2a_overlap
+        # the other micro-batch's thread books its own collectives while this one is labelled
+
+    @property
+    def label(self):
+        return getattr(self._labels, "kind", None)
+
+    @label.setter
+    def label(self, kind):
+        self._labels.kind = kind
 
     def _dims(self, name, pg) -> set:
-        if name not in self.dims_of and pg is not None:  # a subgroup made outside the meshes
+        if name not in self.dims_of and pg is None and name is not None:
+            pg = _resolve(name)  # a functional collective names its group
+        if name not in self.dims_of and pg is not None:  # a group made outside the meshes
             ranks = frozenset(dist.get_process_group_ranks(pg))
+            same = [n for n, r in self.ranks_of.items() if r == ranks and n in self.dims_of]
             self.ranks_of[name] = ranks
             self.order_of[name] = list(dist.get_process_group_ranks(pg))
-            self.dims_of[name] = {d for n, r in self.ranks_of.items() if ranks <= r
-                                  for d in self.dims_of.get(n, ()) if d in DATA_DIMS}
+            # a copy of a mesh group (the overlap's second communicator for the other thread,
+            # parallel/interleave.py) serves its dims; a subgroup of a data group is data
+            self.dims_of[name] = set(self.dims_of[same[0]]) if same else \
+                {d for n, r in self.ranks_of.items() if ranks <= r
+                 for d in self.dims_of.get(n, ()) if d in DATA_DIMS}
         return self.dims_of.get(name, set())
 
     def _spans_nodes(self, name) -> bool:

@@ -18,8 +18,9 @@ draws between its pieces: parallel/interleave.py keeps one state per micro-batch
 runs seeded alike. The communication ledger counts the same bytes as for the plain loop (the
 helper thread runs inside the caller's dispatch modes), from step 1 (a pipeline's step 0 also
 runs torch's shape inference) and except ZeRO-3's parameter gathers, which the overlap makes
-once per step (it holds the gathered weights across the pairs). Totals, not kinds: on the
-helper thread the ledger files tensor parallelism's functional collectives under "other".
+once per step (it holds the gathered weights across the pairs). By kind: the ledger's label
+is per thread (parallel/ledger.py), so the helper thread's tensor-parallel collectives are
+not filed under a label the other thread holds at that moment.
 
 Layouts: world 2 dp2 x ep2 under ZeRO 0/1/2/3, with bf16 and the hierarchical dispatch on
 2 declared nodes, with full recomputation, with dropout and jitter under full and selective
@@ -71,8 +72,8 @@ def _train(world, spec, overlap, moe_extra, M):
                 _micro_batches(par, x.chunk(M), y.chunk(M), M, losses)
         for kind, n in par.ledger.take().items():
             if step > 0 and not (kind == "zero_param_gather" and plan.zero == 3):
-                comm["all"] = comm.get("all", 0) + n   # the overlap holds ZeRO-3's gathered
-                                                       # weights: it gathers once per step
+                comm[kind] = comm.get(kind, 0) + n   # the overlap holds ZeRO-3's gathered
+                                                     # weights: it gathers once per step
         norm = par.clip_grad_norm_(dc.CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
