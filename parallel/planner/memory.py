@@ -18,7 +18,8 @@ slices; under ZeRO-3 a host copy of every shard) to "cpu", and the held gradient
 and optimizer state to "cpu" (FSDP2's CPUOffloadPolicy). The peak counts "gpu" bytes only.
 
 Activations, per token of a micro-batch on this rank, in elements of the activation dtype
-(4 bytes fp32, 2 bytes bf16/fp16 autocast), from what the blocks save for backward:
+(4 bytes fp32, 2 bytes bf16/fp16 autocast), from what the blocks save for backward (under
+autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
   attention block part   8 D  (norm in/out, q, k, v, rotated q/k, attention output)
                          + 5 D per cross-attention
   dense FFN              2 D + 2 F (3 F gated)
@@ -42,8 +43,9 @@ Activations, per token of a micro-batch on this rank, in elements of the activat
   Sequence parallelism and MoE sequence splitting divide all of it by tp. The 2-D grid
   (tp_mode 2d/2.5d) is modelled the same way: its gathered matmul inputs (2 T D/(d q) per
   block) are larger than T D/tp, its other tensors are T x/tp (bench/tensor_parallel.py).
-  The last stage adds the loss: logits, their fp32 copy/log-softmax and gradient, 3 x 4
-  bytes per vocabulary entry per token (vocabulary gathered: not divided by tp).
+  The last stage adds the loss: the logits and their gradient, 2 x a bytes per vocabulary
+  entry per token (vocabulary gathered: not divided by tp); models/cross_entropy.py keeps
+  no fp32 copy or log-probabilities, and its chunks' fp32 work stays inside one fused op.
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
   a2a_overlap=1f1b: without pp one micro-batch plus the blocks the next one's forward
   builds before its first expert all-to-all (through the first MoE block); under pp
@@ -67,7 +69,7 @@ from dataclasses import dataclass
 from ..pipeline.schedules import in_flight
 from .rank_state import muon_facts
 
-LOSS_BYTES_PER_LOGIT = 12   # logits, fp32 log-softmax, their gradient (fp32 runs)
+LOSS_COPIES_PER_LOGIT = 2   # the logits and their gradient, in the activations' dtype
 DEVICE = "gpu"
 
 
@@ -162,6 +164,8 @@ def block_act_elems(w, i: int, stream: str, plan) -> float:
         out += (3 if w.gated else 2) * _shared_d_ff(w)
     else:
         out += 2 * D + (3 if w.gated else 2) * m.d_ff
+    if a != 4:  # autocast: the residual stream stays fp32 (the embedding's output plus fp32
+        out += 2 * D * (4 / a - 1)  # sums), so each block's two norms keep fp32 inputs
     return out
 
 
@@ -315,7 +319,7 @@ def activations(w, plan, state, stage: int) -> Activations:
     loss = 0
     if state.last_stage:
         S_out = w.stream_tokens["decoder"]
-        loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * LOSS_BYTES_PER_LOGIT)
+        loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * a * LOSS_COPIES_PER_LOGIT)
     total = int(per_chunk * flight + lead + rebuild + loss)
     passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
     return Activations(int(kept), flight, loss, total, passes, fp8_copy_bytes(w, plan))
