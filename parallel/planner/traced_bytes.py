@@ -212,21 +212,24 @@ def step_bytes(w, precision: str) -> StepBytes:
     return StepBytes(units, params, optimizer, norm)
 
 
+def _units_on(sb: StepBytes, block_ids, last_stage: bool) -> list:
+    """The units a rank runs: its blocks (by index in any stack), and the ends on the last stage."""
+    on_rank = set(block_ids)
+    return [u for u in sb.units if u != ENDS and u[1] in on_rank] + ([ENDS] if last_stage else [])
+
+
 def token_bytes(sb: StepBytes, w, plan, block_ids, last_stage: bool) -> float:
     """The per-token part of rank_bytes for these blocks (and the ends on the last stage):
     the part every layout of the plan's degrees pays, the search's lower bound."""
     tokens = w.batch_size / plan.dp * sum(w.stream_tokens.values()) / (plan.tp * plan.cp)
-    on_rank = set(block_ids)
-    mine = [u for u in sb.units if u != ENDS and u[1] in on_rank] + ([ENDS] if last_stage else [])
-    return tokens * sum(sb.units[u].per_token for u in mine)
+    return tokens * sum(sb.units[u].per_token for u in _units_on(sb, block_ids, last_stage))
 
 
 def rank_bytes(sb: StepBytes, w, plan, state, micro_seqs: float, micro_count: int) -> float:
     """This rank's memory-bound bytes per optimizer step (module doc)."""
     tokens = micro_seqs * sum(w.stream_tokens.values()) / (plan.tp * plan.cp)
     share = state.params.bytes / sb.param_bytes if sb.param_bytes else 1.0
-    on_rank = set(w.blocks_on(state, plan))
-    mine = [u for u in sb.units if u != ENDS and u[1] in on_rank] + ([ENDS] if state.last_stage else [])
+    mine = _units_on(sb, w.blocks_on(state, plan), state.last_stage)
     per_micro = sum(sb.units[u].per_token * tokens + sb.units[u].per_micro * share for u in mine)
     casts = sum(sb.units[u].per_step for u in mine) * share
     per_micro += casts if plan.zero == 3 else 0.0  # FSDP2 gathers afresh: no cached cast
