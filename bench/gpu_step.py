@@ -49,6 +49,7 @@ def one_run(overrides: list, steps: int, warmup: int, device: str, out: Path) ->
     """Train `steps` steps as train.py would; medians of the steps after `warmup`."""
     cfg = load_config(None, overrides + QUIET + [f"train.steps={steps}", f"run.device={device}",
                                                  f"run.dir={out}", "train.warmup_steps=1"])
+    torch._dynamo.reset()  # each run compiles afresh, as its own train.py process would
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -266,8 +266,10 @@ class ExpertBank(nn.Module):
         """params in dtype dt, differentiably (fp32 masters get fp32 grads). A parameter's cast
         is made once and reused while the parameter is unchanged: the optimizer's in-place
         step bumps its version, a new storage changes its address."""
+        if torch.compiler.is_compiling():  # a graph casts in place; and no guard on the
+            return tuple(None if p is None else p.to(dt) for p in params)  # params' ids
         own = {id(p) for p in self.weights() if p is not None}
-        cache = self.cast_cache and not torch.compiler.is_compiling()  # a graph casts in place
+        cache = self.cast_cache
         return tuple(None if p is None else p if p.dtype == dt else
                      _CachedCast.apply(p, self._cast_of(p, dt)) if cache and id(p) in own
                      else p.to(dt) for p in params)

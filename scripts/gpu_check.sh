@@ -5,6 +5,7 @@
 # has torch (PYTHON; default .venv/bin/python, else python3; PYTHONPATH=$PWD). torchao, if carried as a wheel, goes
 # first: TORCHAO_WHEEL=path/to/torchao.whl (installed with --no-index into a temp dir).
 # Without a GPU it says so at its first GPU-only step and exits 0.
+# ONLY="gpu_tier gpu_step" runs just the steps named (all by default).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-gpu_check_out}"
@@ -32,6 +33,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 step() {  # step NAME TIMEOUT_S CMD...: runs CMD into $OUT/NAME.txt, prints its last lines
   local name="$1" limit="$2"; shift 2
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then echo "== $name: skipped (ONLY=$ONLY)"; return; fi
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?

@@ -44,3 +44,28 @@ def test_a_block_that_routes_locally_compiles_whole():
     model = workload_from_config(load_config(None, [])).build_model()
     for b in blocks(model):
         assert regions(b) == [b]
+
+
+def test_blocks_of_one_kind_share_one_graph_under_bf16():
+    """Eight bf16 blocks of two kinds compile two graphs, not one per block: nothing in a
+    block's forward guards on which block's parameters it holds (the bank's weight cast
+    once keyed on the parameters' ids, one recompile per block, and dynamo's limit of 8
+    failed the Qwen3-shaped MoE run on an H200). A counting backend: no inductor."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    from parallel.compile import compile_blocks
+    from parallel.precision import apply_precision
+    from trainer.model import build_model, init_fn
+    torch._dynamo.reset()
+    cfg = load_config(None, ["model.n_layers=8", "moe.every=2", "model.d_model=32",
+                             "model.n_heads=2", "moe.d_ff=16", "model.d_ff=32"])
+    model = build_model(cfg, torch.device("cpu"))
+    init_fn(cfg, torch.device("cpu"))(model)
+    apply_precision(model, "bf16")
+    counter = CompileCounter()
+    compile_blocks(model, backend=counter)
+    tokens = torch.randint(0, 256, (2, 16))
+    for _ in range(2):
+        model(tokens).float().sum().backward()
+    assert counter.frame_count == 2, counter.frame_count
