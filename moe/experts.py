@@ -11,7 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
 from .fusion import is_plain
-from .fp8 import check_block_dims, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
+from .fp8 import check_block_dims, device_fp8_kernels, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
+from .fp8_rowwise import rowwise_fp8_ffn, rowwise_pays, scaled_grouped_kernel
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl, unsupported_reason
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
@@ -168,6 +169,8 @@ class ExpertBank(nn.Module):
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
         self.fp8 = False  # parallel.precision=fp8 (set_fp8)
+        self.fp8_recipe = "blockwise"
+        self.fp8_where_it_pays = True
         self.set_cast_cache(True)
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_local, d_ff, d_model))
@@ -182,12 +185,35 @@ class ExpertBank(nn.Module):
         (parallel.recompute_modules=moe_act)."""
         self.act = dataclasses.replace(self.act, recompute=on)
 
-    def set_fp8(self, on: bool) -> None:
-        """Run every GEMM of the bank in fine-grained FP8 (moe/fp8.py: 1 x 128 activation
-        tiles, 128 x 128 weight blocks, fp32 accumulation; parallel.precision=fp8)."""
-        if on:
+    def set_fp8(self, on: bool, recipe: str = "blockwise", where_it_pays: bool = True) -> None:
+        """Run the bank's GEMMs in FP8 (parallel.precision=fp8). recipe "blockwise": every GEMM
+        in fine-grained FP8 (moe/fp8.py: 1 x 128 activation tiles, 128 x 128 weight blocks);
+        "rowwise": forward and dgrad on torch's grouped scaled matmul with rowwise scales, the
+        weight gradient in bf16 (moe/fp8_rowwise.py), whole weights only (no tp/etp split: a
+        row's scale would span the ranks). Under rowwise, on a GPU that runs the
+        kernel, a projection whose shape cannot gain stays bf16 (fp8_choice) unless
+        where_it_pays is False; the CPU emulation runs every projection in FP8."""
+        if recipe not in ("blockwise", "rowwise"):
+            raise ValueError(f"bank FP8 recipe {recipe!r}; use blockwise or rowwise")
+        if on and recipe == "blockwise":
             check_block_dims(*self.w1.shape[1:], where="expert bank's w1 [d_model, d_ff]")
-        self.fp8 = on
+        if on and recipe == "rowwise" and any(d % 16 for d in self.w1.shape[1:]):
+            raise ValueError(f"rowwise FP8 needs the expert bank's d_model and d_ff to be multiples "
+                             f"of 16 (got {list(self.w1.shape[1:])}); change moe.d_ff / model.d_model "
+                             f"or train in bf16")
+        self.fp8, self.fp8_recipe, self.fp8_where_it_pays = on, recipe, where_it_pays
+
+    def fp8_choice(self, rows: int, real_kernel: bool, compiled: bool) -> tuple:
+        """((w1, w2, w3) in FP8 or not, why per projection) for a rowwise-FP8 forward of `rows`
+        rows: every projection where the kernel is emulated (CPU: the tests' reference) or
+        where_it_pays is off; else where rowwise_pays says the shape gains."""
+        D, F = self.w1.shape[1:]
+        if not real_kernel or not self.fp8_where_it_pays:
+            return (True, True, True), ()
+        per = rows / self.w1.shape[0]
+        up, why_up = rowwise_pays(D, F, per, compiled)
+        down, why_down = rowwise_pays(F, D, per, compiled)
+        return (up, down, up), (why_up, why_down)
 
     @property
     def num_local(self) -> int:
@@ -237,7 +263,9 @@ class ExpertBank(nn.Module):
         if len(counts) != params[0].shape[0]:
             raise ValueError(f"counts has {len(counts)} entries for {params[0].shape[0]} local experts")
         impl = "fp8" if self.fp8 else self.impl_for(x_ND)
-        if impl != "grouped_mm" and isinstance(counts, torch.Tensor):
+        on_device = impl == "grouped_mm" or (impl == "fp8" and self.fp8_recipe == "rowwise"
+                                             and not padded)
+        if not on_device and isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # the loops slice on the host
         if impl != "grouped_mm" and padded and sum(counts) < x_ND.shape[0]:
             return pad_rows(self.forward(x_ND[:sum(counts)], counts, lambda _: params),
@@ -317,10 +345,21 @@ class ExpertBank(nn.Module):
         kernel where it runs for real (moe/fp8.py grouped_fp8_kernel: CUDA SM90+ with DeepGEMM,
         bf16, plain tensors), else the emulation (fp8_matmul) per expert."""
         dev = x_ND.device.type
-        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         if x_ND.shape[0] == 0:  # the empty result, still tied to the weights
-            return self._forward_ops(x_ND, counts, params)
+            return self._forward_ops(x_ND, counts.tolist() if isinstance(counts, torch.Tensor)
+                                     else counts, params)
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_ND.dtype
+        if self.fp8_recipe == "rowwise":
+            if not _plain(x_ND, params, same_dtype=False):  # plan validation refuses tp/etp
+                raise ValueError("rowwise FP8 banks take whole weights: a row's scale would span "
+                                 "the tensor-parallel ranks; set parallel.fp8_recipe=tensorwise")
+            kernels = device_fp8_kernels(x_ND.device)
+            fp8, _ = self.fp8_choice(x_ND.shape[0], kernels.rowwise, torch.compiler.is_compiling())
+            with torch.autocast(dev, enabled=False):
+                return rowwise_fp8_ffn(scaled_grouped_kernel(x_ND.device, kernels),
+                                       x_ND.to(torch.bfloat16), counts, self.act, *params,
+                                       fp8=fp8).to(dt)
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         kernel = grouped_fp8_kernel(x_ND.device) if dt == torch.bfloat16 else None
         with torch.autocast(dev, enabled=False):
             if kernel is not None and _plain(x_ND, params, same_dtype=False):

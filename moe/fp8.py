@@ -38,11 +38,12 @@ from .wire import E4M3, E4M3_MAX, TILE, dequantize_tiles, quantize_tiles
 
 __all__ = ["TILE", "quantize_blocks", "dequantize_blocks", "qdq_rows", "qdq_cols", "qdq_blocks",
            "fp8_matmul", "check_block_dims", "FP8Kernels", "fp8_kernels", "device_fp8_kernels",
-           "grouped_fp8_kernel", "grouped_fp8_ffn"]
+           "grouped_fp8_kernel", "grouped_fp8_ffn", "bank_recipe", "emulated_gemms"]
 
 # the compute capability (major, minor) from which each FP8 kernel exists
 FP8_MATMUL_CAPABILITY = (8, 9)    # torch's FP8 tensor-core matmul (torchao's Float8Linear): Ada, Hopper+
 FP8_GROUPED_CAPABILITY = (9, 0)   # DeepGEMM's grouped FP8 GEMM (through torchao): Hopper+
+FP8_ROWWISE_CAPABILITY = (9, 0)   # torch._scaled_grouped_mm (moe/fp8_rowwise.py): Hopper+
 
 
 def check_block_dims(K: int, N: int, where: str = "expert weight") -> None:
@@ -121,7 +122,8 @@ def fp8_matmul(x_TK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class FP8Kernels:
     matmul: bool    # the Linears' FP8 matmuls run for real (parallel/fp8.py), not torchao's emulation
-    grouped: bool   # the expert banks' grouped FP8 GEMM runs for real (grouped_fp8_kernel)
+    grouped: bool   # the banks' grouped blockwise FP8 GEMM runs for real (grouped_fp8_kernel)
+    rowwise: bool = False  # the banks' grouped rowwise FP8 GEMM runs for real (moe/fp8_rowwise.py)
 
 
 def fp8_kernels(capability, deep_gemm: bool) -> FP8Kernels:
@@ -130,9 +132,10 @@ def fp8_kernels(capability, deep_gemm: bool) -> FP8Kernels:
     for the runtime (device_fp8_kernels) and the planner (a preset's GPU, parallel/planner/
     hardware.py), so the step the planner prices at the FP8 rate is the one that runs it."""
     if capability is None:
-        return FP8Kernels(False, False)
+        return FP8Kernels(False, False, False)
     cap = tuple(capability)
-    return FP8Kernels(cap >= FP8_MATMUL_CAPABILITY, deep_gemm and cap >= FP8_GROUPED_CAPABILITY)
+    return FP8Kernels(cap >= FP8_MATMUL_CAPABILITY, deep_gemm and cap >= FP8_GROUPED_CAPABILITY,
+                      cap >= FP8_ROWWISE_CAPABILITY and hasattr(torch, "_scaled_grouped_mm"))
 
 
 def _deep_gemm_installed() -> bool:
@@ -146,11 +149,21 @@ def device_fp8_kernels(device: torch.device) -> FP8Kernels:
     return fp8_kernels(torch.cuda.get_device_capability(device), _deep_gemm_installed())
 
 
-def emulated_gemms(kernels: FP8Kernels) -> list:
+def bank_recipe(fp8_recipe: str) -> str:
+    """The expert banks' FP8 recipe under parallel.fp8_recipe: rowwise scales on torch's grouped
+    scaled matmul for `rowwise`, DeepSeek-V3's 128x128 blocks otherwise."""
+    return "rowwise" if fp8_recipe == "rowwise" else "blockwise"
+
+
+def emulated_gemms(kernels: FP8Kernels, fp8_recipe: str = "tensorwise") -> list:
     """Which of precision=fp8's GEMMs would run the emulation (quantize, dequantize, an fp32
-    matmul: 3.8-5.3x slower than bf16 on an H200) with these kernels; [] when none would."""
+    matmul: 3.8-5.3x slower than bf16 on an H200) with these kernels and parallel.fp8_recipe;
+    [] when none would."""
     out = []
-    if not kernels.grouped:
+    if bank_recipe(fp8_recipe) == "rowwise" and not kernels.rowwise:
+        out.append("the expert banks' and FFNs' rowwise GEMMs (torch._scaled_grouped_mm needs "
+                   f"compute capability {FP8_ROWWISE_CAPABILITY[0]}.{FP8_ROWWISE_CAPABILITY[1]}+)")
+    if bank_recipe(fp8_recipe) == "blockwise" and not kernels.grouped:
         out.append("the expert banks' and FFNs' 128x128-block GEMMs (torchao's grouped kernel "
                    "needs the deep_gemm package and compute capability 9.0+)")
     if not kernels.matmul:

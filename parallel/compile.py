@@ -67,7 +67,8 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> list:
 
 def auto_compile(plan, device_type: str, hf_model: bool) -> tuple:
     """(on, why) for parallel.compile=auto: on for CUDA runs of the layouts compile is tested
-    with (tests/dist/test_compile_layouts.py, tests/e2e/test_compile_train.py); a CPU run stays
+    with (tests/dist/test_compile_layouts.py, tests/e2e/test_compile_train.py: fp32, bf16 and
+    fp8, whose Float8Linears torchao needs compiled for its speed); a CPU run stays
     eager (inductor's C++ build costs more than it saves on a laptop)."""
     if device_type != "cuda":
         return False, f"eager on {device_type} (parallel.compile=true compiles anyway)"
@@ -75,7 +76,7 @@ def auto_compile(plan, device_type: str, hf_model: bool) -> tuple:
         ("pp", plan.pp, 1), ("cp", plan.cp, 1), ("tp", plan.tp, 1), ("etp", plan.etp, 1),
         ("ps_servers", plan.ps_servers, 0), ("a2a_overlap", plan.a2a_overlap, "none"),
         ("recompute", plan.recompute, "none")) if value != off]
-    if plan.precision not in ("fp32", "bf16"):
+    if plan.precision not in ("fp32", "bf16", "fp8"):
         untested.append(f"precision={plan.precision}")
     if hf_model:
         untested.append("a Hugging Face model")

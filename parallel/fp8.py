@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
-from moe.fp8 import device_fp8_kernels
+from moe.fp8 import bank_recipe, device_fp8_kernels
 
 from .mesh import default_device_type
 from .plan import FP8_RECIPES
@@ -84,7 +84,7 @@ def apply_fp8(model: nn.Module, recipe: str, meshes=None) -> None:
     if recipe not in FP8_RECIPES:
         raise ValueError(f"parallel.fp8_recipe={recipe!r}; use one of {', '.join(FP8_RECIPES)}")
     for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
-        bank.set_fp8(True)
+        bank.set_fp8(True, bank_recipe(recipe))
     kept = _kept(model)
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and id(m) not in kept]

@@ -440,10 +440,13 @@ def _check_fp8_kernels(cfg: Config, plan) -> None:
         return
     import torch
     from moe.fp8 import device_fp8_kernels, emulated_gemms
-    slow = emulated_gemms(device_fp8_kernels(torch.device("cuda", torch.cuda.current_device())))
+    kernels = device_fp8_kernels(torch.device("cuda", torch.cuda.current_device()))
+    slow = emulated_gemms(kernels, plan.fp8_recipe)
+    fix = ("set parallel.fp8_recipe=rowwise (SM90+), install deep_gemm (SM90+) for the blockwise "
+           "banks, or set parallel.precision=bf16" if plan.fp8_recipe != "rowwise" else
+           "set parallel.precision=bf16")
     _require(not slow, f"parallel.precision=fp8 on this GPU would run {' and '.join(slow)} as "
-                       f"an emulation, slower than bf16; install deep_gemm (SM90+) or set "
-                       f"parallel.precision=bf16")
+                       f"an emulation, slower than bf16; {fix}")
 
 
 def validate(cfg: Config, world_size: int):

@@ -24,6 +24,11 @@ def _check_choices(p: ParallelPlan) -> None:
     if p.fp8_recipe not in FP8_RECIPES:
         raise _err(f"parallel.fp8_recipe={p.fp8_recipe!r} is not supported; use one of "
                    f"{', '.join(FP8_RECIPES)}")
+    if p.fp8_recipe == "rowwise" and p.precision == "fp8" and (_gt1(p.tp) or _gt1(p.etp)):
+        raise _err(f"parallel.fp8_recipe=rowwise scales each row of an expert bank's input over its "
+                   f"whole width, which parallel.tp={p.tp} / parallel.etp={p.etp} split across "
+                   f"ranks; set fp8_recipe=tensorwise (the banks' 128x128 blocks tile each slice) "
+                   f"or tp=1 and etp=1")
     if p.fp8_recipe != "tensorwise" and p.precision != "fp8":
         raise _err(f"parallel.fp8_recipe={p.fp8_recipe} needs parallel.precision=fp8 (got "
                    f"{p.precision}); set precision=fp8 or drop fp8_recipe")
@@ -92,3 +97,7 @@ def _fitting(p: ParallelPlan, world_size: int) -> str:
             for c in range(1, p.cp + 1) if world_size % (t * q * c) == 0] or [(1, 1, 1)]
     t, q, c = max(fits, key=lambda f: (f[0] * f[1] * f[2], f[0], f[2]))
     return f"parallel.tp={t} parallel.pp={q}" + (f" parallel.cp={c}" if p.cp > 1 else "")
+
+
+def _gt1(degree) -> bool:
+    return isinstance(degree, int) and not isinstance(degree, bool) and degree > 1

@@ -63,11 +63,13 @@ def _check_fp8(p: ParallelPlan, m, moe_cfg) -> None:
     if moe_cfg is not None and _has_moe(moe_cfg) and getattr(moe_cfg, "d_ff", 0):
         dims.append(("moe.d_ff", moe_cfg.d_ff))
     dims.append(("model.d_ff", getattr(m, "d_ff", None)))
+    rowwise = p.fp8_recipe == "rowwise"   # torch._scaled_grouped_mm: 16-byte rows of e4m3
+    tile, why = (16, "the rowwise FP8 GEMMs' 16-byte alignment") if rowwise else \
+        (128, "the expert GEMMs' 128 x 128 weight blocks")
     for name, v in dims:
-        if isinstance(v, int) and v % 128:
-            raise _err(f"parallel.precision=fp8 needs {name} to be a multiple of 128 (got {v}: "
-                       f"the expert GEMMs' 128 x 128 weight blocks); change {name} or use "
-                       f"precision=bf16")
+        if isinstance(v, int) and v % tile:
+            raise _err(f"parallel.precision=fp8 needs {name} to be a multiple of {tile} (got {v}: "
+                       f"{why}); change {name} or use precision=bf16")
     d_ff = getattr(m, "d_ff", None)
     if p.tp > 1 and _has_dense_ffn(moe_cfg) and isinstance(d_ff, int) and d_ff % (128 * p.tp):
         raise _err(f"parallel.precision=fp8 with parallel.tp={p.tp} needs model.d_ff to be a "

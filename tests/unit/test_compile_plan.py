@@ -16,9 +16,10 @@ def test_auto_is_on_for_cuda_runs_of_tested_layouts_only():
     for change, word in ((dict(pp=2), "pp=2"), (dict(tp=2), "tp=2"), (dict(cp=2), "cp=2"),
                          (dict(recompute="full"), "recompute=full"),
                          (dict(a2a_overlap="1f1b"), "a2a_overlap=1f1b"),
-                         (dict(precision="fp8"), "precision=fp8")):
+                         (dict(precision="fp16"), "precision=fp16")):
         on, why = auto_compile(dataclasses.replace(plan, **change), "cuda", hf_model=False)
         assert not on and word in why, (change, why)
+    assert auto_compile(dataclasses.replace(plan, precision="fp8"), "cuda", hf_model=False)[0] is True
     on, why = auto_compile(plan, "cuda", hf_model=True)
     assert not on and "Hugging Face" in why
 

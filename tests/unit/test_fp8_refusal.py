@@ -33,7 +33,20 @@ def test_emulated_fp8_on_a_gpu_is_refused_in_one_line(monkeypatch, capability, d
     line = str(e.value)
     assert "\n" not in line and line.startswith("parallel.precision=fp8 on this GPU would run ")
     assert all(w in line for w in words), line
-    assert "install deep_gemm (SM90+) or set parallel.precision=bf16" in line
+    assert line.endswith("set parallel.fp8_recipe=rowwise (SM90+), install deep_gemm (SM90+) "
+                         "for the blockwise banks, or set parallel.precision=bf16"), line
+
+
+def test_rowwise_runs_on_sm90_without_deep_gemm_and_is_refused_before_it(monkeypatch):
+    rowwise = FP8 + ["parallel.fp8_recipe=rowwise"]
+    _on_gpu(monkeypatch, (9, 0), False)
+    assert validate(load_config(None, rowwise), 1).fp8_recipe == "rowwise"
+    _on_gpu(monkeypatch, (8, 9), True)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, rowwise), 1)
+    line = str(e.value)
+    assert "\n" not in line and "rowwise GEMMs (torch._scaled_grouped_mm needs compute capability 9.0+)" in line
+    assert line.endswith("as an emulation, slower than bf16; set parallel.precision=bf16"), line
 
 
 def test_fp8_runs_where_its_kernels_do_and_on_a_cpu(monkeypatch):

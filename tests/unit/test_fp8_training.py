@@ -179,6 +179,12 @@ def test_whole_model_fp8_against_bf16_loss_and_gradients():
     (["parallel.precision=fp8", "model.d_ff=200"], "model.d_ff to be a multiple of 128 (got 200"),
     (["parallel.fp8_recipe=rowwise"], "parallel.fp8_recipe=rowwise needs parallel.precision=fp8"),
     (["parallel.precision=fp8", "parallel.fp8_recipe=delayed"], "parallel.fp8_recipe='delayed' is not supported"),
+    (["parallel.precision=fp8", "parallel.fp8_recipe=rowwise", "parallel.tp=2"],
+     "parallel.fp8_recipe=rowwise scales each row of an expert bank's input over its whole width"),
+    (["parallel.precision=fp8", "parallel.fp8_recipe=rowwise", "parallel.ep=2", "parallel.etp=2"],
+     "which parallel.tp=1 / parallel.etp=2 split across ranks; set fp8_recipe=tensorwise"),
+    (["parallel.precision=fp8", "parallel.fp8_recipe=rowwise", "model.d_model=120", "model.n_heads=2"],
+     "model.d_model to be a multiple of 16 (got 120: the rowwise FP8 GEMMs' 16-byte alignment"),
 ])
 def test_fp8_refusals_name_the_field(over, words):
     from trainer.config import load_config
