@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from .activations import ACTIVATIONS, Activation, check_activation
 from .fusion import is_plain
 from .fp8 import check_block_dims, device_fp8_kernels, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
-from .fp8_rowwise import rowwise_fp8_ffn, rowwise_pays, scaled_grouped_kernel
+from .fp8_rowwise import rowwise_choice, rowwise_fp8_ffn, scaled_grouped_kernel
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl, unsupported_reason
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
@@ -206,14 +206,10 @@ class ExpertBank(nn.Module):
     def fp8_choice(self, rows: int, real_kernel: bool, compiled: bool) -> tuple:
         """((w1, w2, w3) in FP8 or not, why per projection) for a rowwise-FP8 forward of `rows`
         rows: every projection where the kernel is emulated (CPU: the tests' reference) or
-        where_it_pays is off; else where rowwise_pays says the shape gains."""
-        D, F = self.w1.shape[1:]
-        if not real_kernel or not self.fp8_where_it_pays:
+        where_it_pays is off; else where rowwise_pays says the shape gains (rowwise_choice)."""
+        if not self.fp8_where_it_pays:
             return (True, True, True), ()
-        per = rows / self.w1.shape[0]
-        up, why_up = rowwise_pays(D, F, per, compiled)
-        down, why_down = rowwise_pays(F, D, per, compiled)
-        return (up, down, up), (why_up, why_down)
+        return rowwise_choice(*self.w1.shape[1:], rows / self.w1.shape[0], real_kernel, compiled)
 
     @property
     def num_local(self) -> int:

@@ -38,7 +38,7 @@ import torch
 from .wire import E4M3, E4M3_MAX
 
 __all__ = ["quantize_rows", "emulated_scaled_grouped_mm", "scaled_grouped_kernel", "rowwise_gemm",
-           "rowwise_fp8_ffn", "rowwise_pays", "BF16_GROUPED_TFLOPS", "QUANT_TBS"]
+           "rowwise_fp8_ffn", "rowwise_pays", "rowwise_choice", "BF16_GROUPED_TFLOPS", "QUANT_TBS"]
 
 BF16_GROUPED_TFLOPS = 700.0                   # H200, expert-shaped grouped bf16 GEMMs
 FP8_SPEEDUP = ((768, 1.00), (2048, 1.22))     # (contraction, bf16 time / FP8 time), H200
@@ -173,3 +173,14 @@ def rowwise_pays(K: int, N: int, rows_per_expert: float, compiled: bool) -> tupl
     why = (f"[{K} x {N}]: FP8 saves {saved * 1e9:.2f} ns a row, quantizing costs {cost * 1e9:.2f} "
            f"({'compiled' if compiled else 'eager'}, {rows_per_expert:.0f} rows an expert)")
     return saved > cost, why
+
+
+def rowwise_choice(D: int, F: int, rows_per_expert: float, real_kernel: bool, compiled: bool) -> tuple:
+    """((w1, w2, w3) in FP8 or not, why for [D x F] and [F x D]) for a bank's projections:
+    all FP8 where the kernel is emulated (CPU: the tests' reference; no reasons), else by
+    rowwise_pays (w1 and w3 share a shape)."""
+    if not real_kernel:
+        return (True, True, True), ()
+    up, why_up = rowwise_pays(D, F, rows_per_expert, compiled)
+    down, why_down = rowwise_pays(F, D, rows_per_expert, compiled)
+    return (up, down, up), (why_up, why_down)

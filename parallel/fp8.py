@@ -29,6 +29,8 @@ from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
 from moe.fp8 import bank_recipe, device_fp8_kernels
+from moe.fp8_rowwise import rowwise_choice
+from moe.layer import MoELayer
 
 from .mesh import default_device_type
 from .plan import FP8_RECIPES
@@ -124,3 +126,27 @@ def check_split_linears(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor):
             _check_linear_shape(name, m.weight.to_local().shape, " on each tensor-parallel rank")
+
+
+def rowwise_bank_lines(model: nn.Module, tokens_per_micro: int, device: torch.device,
+                       compiled: bool) -> list:
+    """parallel.fp8_recipe=rowwise: one line per distinct bank shape saying whether its
+    projections run FP8 on `device` and why (moe/fp8_rowwise.py rowwise_choice): a routed
+    bank's expert sees tokens x top_k / experts rows a micro-batch, a dense or shared one
+    every token."""
+    routed = {id(m.experts): m.router.top_k for m in model.modules() if isinstance(m, MoELayer)}
+    real = device_fp8_kernels(device).rowwise
+    if not real:
+        return [f"fp8 rowwise: every expert-bank GEMM emulated on {device.type} (the tests' "
+                f"reference; torch._scaled_grouped_mm runs on CUDA SM90+)"]
+    seen, lines = set(), []
+    for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
+        E, D, F = bank.w1.shape
+        rows = tokens_per_micro * routed.get(id(bank), E) / E
+        if (D, F, rows) in seen:
+            continue
+        seen.add((D, F, rows))
+        (up, down, _), whys = rowwise_choice(D, F, rows, real, compiled)
+        for on, why in zip((up, down), whys):
+            lines.append(f"fp8 rowwise: {'FP8' if on else 'stays bf16'} {why}")
+    return lines

@@ -165,6 +165,11 @@ def _train(cfg, ctx, plan, resume_from) -> int:
     flops = telemetry.step_flops(cfg, whole)  # likewise
     par = parallelize(whole, plan, meshes, loss_fn=token_loss, init_fn=init_fn(cfg, ctx.device))
     optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
+    if plan.precision == "fp8" and plan.fp8_recipe == "rowwise":
+        from parallel.fp8 import rowwise_bank_lines
+        rows = cfg.train.micro_batch_size or cfg.train.batch_size // plan.dp
+        described = described + rowwise_bank_lines(par.model, rows * cfg.data.seq_len, ctx.device,
+                                                   bool(plan.compile))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)
     scaler = DynamicLossScaler(init_scale=cfg.train.loss_scale_init) \
