@@ -11,8 +11,9 @@ train.py run (trainer.run.run on a config built from these overrides, parallel.p
 parallel.compile=false or true), and its figures are read from the run's metrics.jsonl: the
 median tokens/s, TFLOP/s and MFU (model FLOPs, the planner's count, over the device's
 data-sheet peak) of the steps after --warmup, and the CUDA allocator's peak. Rows are printed
-with the MoE's tokens/s as a fraction of the dense twin's in the same mode, and compiled over
-eager per model.
+with the MoE's tokens/s as a fraction of the dense twin's in the same mode, compiled over
+eager per model, and the planner's check of the run (log.plan_check, on a GPU with a preset):
+measured over predicted step time and peak memory.
 
 --quick: a toy width (d_model 128, 2 blocks, 8 experts top-2, 128-token sequences) and 3
 steps, on whatever device there is: it checks that the bench runs (a smoke test does).
@@ -62,6 +63,10 @@ def one_run(overrides: list, steps: int, warmup: int, device: str, out: Path) ->
            for k in ("tokens_per_s", "tflops", "mfu")}
     med["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
     med["loss"] = timed[-1]["loss"]
+    check = out / "planner_check.json"   # log.plan_check=auto: the planner's own prediction
+    pc = json.loads(check.read_text()) if check.exists() else {}
+    med["plan_step"] = pc.get("step_measured_over_predicted")
+    med["plan_peak"] = pc.get("peak_measured_over_predicted")
     return med
 
 
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     print(f"device {device}; bf16; median of steps {warmup + 1}..{steps} of each train.py run")
     print(f"{'model':6s} {'mode':9s} {'tok/s':>10s} {'TFLOP/s':>8s} {'MFU %':>5s} {'peak GB':>8s} "
-          f"{'loss':>7s} {'vs dense':>9s} {'vs eager':>9s}")
+          f"{'loss':>7s} {'vs dense':>9s} {'vs eager':>9s} {'step m/p':>8s} {'peak m/p':>8s}")
     got = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -97,7 +102,8 @@ def main(argv=None) -> int:
                             if mode != "eager" and (name, "eager") in got else None)
                 print(f"{name:6s} {mode:9s} {r['tokens_per_s']:10.0f} {_fmt(r['tflops'], '8.1f')} "
                       f"{_fmt(r['mfu'] and 100 * r['mfu'], '5.1f')} {_fmt(r['peak_gb'], '8.1f')} "
-                      f"{r['loss']:7.3f} {_fmt(vs_dense, '9.2f')} {_fmt(vs_eager, '9.2f')}", flush=True)
+                      f"{r['loss']:7.3f} {_fmt(vs_dense, '9.2f')} {_fmt(vs_eager, '9.2f')} "
+                      f"{_fmt(r['plan_step'], '8.2f')} {_fmt(r['plan_peak'], '8.2f')}", flush=True)
     return 0
 
 

@@ -164,14 +164,15 @@ def _speedup(contraction: int) -> float:
     return s0 + (s1 - s0) * (contraction - k0) / (k1 - k0)
 
 
-def rowwise_pays(K: int, N: int, rows_per_expert: float, compiled: bool) -> tuple:
+def rowwise_pays(K: int, N: int, rows_per_expert: float, compiled: bool,
+                 rows_of: str = "an expert") -> tuple:
     """(pays, why) for an expert projection w [K, N] in rowwise FP8 rather than bf16, by the
     module docstring's model: the seconds saved and spent per row of x, in words."""
     saved = 2 * K * N / (BF16_GROUPED_TFLOPS * 1e12) * ((1 - 1 / _speedup(K)) + (1 - 1 / _speedup(N)))
     bw = QUANT_TBS["compiled" if compiled else "eager"] * 1e12
     cost = 3 * (K + N) / bw + 10 * K * N / (max(rows_per_expert, 1.0) * bw)
     why = (f"[{K} x {N}]: FP8 saves {saved * 1e9:.2f} ns a row, quantizing costs {cost * 1e9:.2f} "
-           f"({'compiled' if compiled else 'eager'}, {rows_per_expert:.0f} rows an expert)")
+           f"({'compiled' if compiled else 'eager'}, {rows_per_expert:.0f} rows {rows_of})")
     return saved > cost, why
 
 

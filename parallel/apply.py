@@ -24,7 +24,7 @@ from .plan import ParallelPlan
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=None,
-                init_fn=None) -> Parallelized:
+                init_fn=None, fp8_rows=None) -> Parallelized:
     """Apply `plan` (already validated) to `model` in place; `meshes` from build_meshes
     (None: one process). Returns the Parallelized handle (its .model is `model`).
 
@@ -34,7 +34,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
     registered on the parameter objects (zero 0/1/2), or after FSDP2 sharding (zero 3).
 
     loss_fn(logits, targets) is needed only for pipeline parallelism (the last stage computes
-    the loss).
+    the loss). fp8_rows: the tokens of a micro-batch, for precision=fp8 to keep the Linears
+    that cannot gain at that size in bf16 (parallel/fp8.py apply_fp8; None: every Linear FP8).
     """
     if plan.dp < 1:
         raise ValueError("parallelize needs a validated plan (dp resolved): call plan.validate(world) first")
@@ -54,7 +55,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, meshes=None, *, loss_fn=No
         par.pipeline = split_pipeline(model, plan, meshes, loss_fn, par.baton)
     if plan.precision == "fp8":
         from .fp8 import apply_fp8
-        apply_fp8(model, plan.fp8_recipe, meshes)  # before tp splits the Linears
+        apply_fp8(model, plan.fp8_recipe, meshes, fp8_rows, bool(plan.compile))  # before tp splits
     if plan.tp > 1 and plan.tp_mode == "1d":
         from .tensor.one_d import apply_tensor_parallel
         apply_tensor_parallel(model, meshes)

@@ -29,7 +29,7 @@ from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
 from moe.fp8 import bank_recipe, device_fp8_kernels
-from moe.fp8_rowwise import rowwise_choice
+from moe.fp8_rowwise import rowwise_choice, rowwise_pays
 from moe.layer import MoELayer
 
 from .mesh import default_device_type
@@ -74,7 +74,15 @@ def target_device(model: nn.Module, meshes=None) -> torch.device:
     return torch.device(meshes.dense.device_type if meshes is not None else default_device_type())
 
 
-def apply_fp8(model: nn.Module, recipe: str, meshes=None) -> None:
+def linear_pays(m: nn.Linear, rows: int, compiled: bool) -> tuple:
+    """(pays, why) for a Linear in FP8 rather than bf16 on rows of a micro-batch, by the banks'
+    cost model (moe/fp8_rowwise.py rowwise_pays, one expert holding every row): the
+    quantization of input, output gradient and weight against the FP8 GEMMs' saving."""
+    out_f, in_f = m.weight.shape
+    return rowwise_pays(in_f, out_f, rows, compiled, rows_of="a micro-batch")
+
+
+def apply_fp8(model: nn.Module, recipe: str, meshes=None, rows=None, compiled: bool = False) -> None:
     """Every ExpertBank to fine-grained FP8, every other nn.Linear of the model but the head
     and the routers to torchao's float8 training (module docstring); torchao emulates unless
     the device the model will run on (target_device) has FP8 matmuls. Runs before tensor
@@ -82,7 +90,8 @@ def apply_fp8(model: nn.Module, recipe: str, meshes=None) -> None:
     activations move in bf16, and each FP8 scale is computed on the DTensor, so an amax over
     a split dim is reduced across the tp group -- every rank quantizes with one process's
     scales (check_split_linears checks the slices afterwards). Raises ValueError naming the
-    field where a dimension does not tile."""
+    field where a dimension does not tile. rows (the tokens of a micro-batch), where the device
+    has FP8 matmuls: a Linear whose shape cannot gain there (linear_pays) stays bf16."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"parallel.fp8_recipe={recipe!r}; use one of {', '.join(FP8_RECIPES)}")
     for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
@@ -92,9 +101,11 @@ def apply_fp8(model: nn.Module, recipe: str, meshes=None) -> None:
                if isinstance(m, nn.Linear) and id(m) not in kept]
     for name, m in linears:
         _check_linear_shape(name, m.weight.shape)
+    device = target_device(model, meshes)
+    if rows is not None and fp8_matmul_available(device):
+        linears = [(n, m) for n, m in linears if linear_pays(m, rows, compiled)[0]]
     if not linears:
         return
-    device = target_device(model, meshes)
     Float8Linear, Float8LinearConfig, swap_linear_layers = _torchao_float8(device)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
                                  emulate=not fp8_matmul_available(device))
@@ -128,12 +139,30 @@ def check_split_linears(model: nn.Module) -> None:
             _check_linear_shape(name, m.weight.to_local().shape, " on each tensor-parallel rank")
 
 
-def rowwise_bank_lines(model: nn.Module, tokens_per_micro: int, device: torch.device,
-                       compiled: bool) -> list:
-    """parallel.fp8_recipe=rowwise: one line per distinct bank shape saying whether its
-    projections run FP8 on `device` and why (moe/fp8_rowwise.py rowwise_choice): a routed
-    bank's expert sees tokens x top_k / experts rows a micro-batch, a dense or shared one
-    every token."""
+def fp8_lines(model: nn.Module, tokens_per_micro: int, device: torch.device,
+              compiled: bool) -> list:
+    """precision=fp8, after apply_fp8: which GEMMs run FP8 on `device` and why, one line per
+    distinct shape (the run's first lines; bench/fp8.py): the banks under the rowwise recipe
+    (moe/fp8_rowwise.py rowwise_choice: a routed bank's expert sees tokens x top_k / experts
+    rows a micro-batch, a dense or shared one every token), and the blocks' Linears, which
+    stay bf16 where linear_pays says their shape cannot gain."""
+    lines = _bank_lines(model, tokens_per_micro, device, compiled)
+    if not fp8_matmul_available(device):
+        return lines + [f"fp8: the blocks' Linears emulated on {device.type} (FP8 matmuls need "
+                        f"CUDA compute capability 8.9+)"]
+    kept, seen = _kept(model), set()
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m) not in kept and tuple(m.weight.shape) not in seen:
+            seen.add(tuple(m.weight.shape))
+            on = type(m).__name__ == "Float8Linear"
+            why = linear_pays(m, tokens_per_micro, compiled)[1]
+            lines.append(f"fp8 Linear: {'FP8' if on else 'stays bf16'} {why}")
+    return lines
+
+
+def _bank_lines(model, tokens_per_micro, device, compiled) -> list:
+    if not any(isinstance(m, ExpertBank) and m.fp8_recipe == "rowwise" for m in model.modules()):
+        return []
     routed = {id(m.experts): m.router.top_k for m in model.modules() if isinstance(m, MoELayer)}
     real = device_fp8_kernels(device).rowwise
     if not real:

@@ -163,13 +163,13 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     flops = telemetry.step_flops(cfg, whole)  # likewise
-    par = parallelize(whole, plan, meshes, loss_fn=token_loss, init_fn=init_fn(cfg, ctx.device))
+    micro_tokens = (cfg.train.micro_batch_size or cfg.train.batch_size // plan.dp) * cfg.data.seq_len
+    par = parallelize(whole, plan, meshes, loss_fn=token_loss, init_fn=init_fn(cfg, ctx.device),
+                      fp8_rows=micro_tokens)
     optimizer = par.prepare_optimizer(build_optimizer(par.model, cfg.train))
-    if plan.precision == "fp8" and plan.fp8_recipe == "rowwise":
-        from parallel.fp8 import rowwise_bank_lines
-        rows = cfg.train.micro_batch_size or cfg.train.batch_size // plan.dp
-        described = described + rowwise_bank_lines(par.model, rows * cfg.data.seq_len, ctx.device,
-                                                   bool(plan.compile))
+    if plan.precision == "fp8":
+        from parallel.fp8 import fp8_lines
+        described = described + fp8_lines(par.model, micro_tokens, ctx.device, bool(plan.compile))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)
     scaler = DynamicLossScaler(init_scale=cfg.train.loss_scale_init) \

@@ -100,3 +100,32 @@ def test_grouped_fp8_kernel_equals_the_emulation(monkeypatch):
     emulated = _bank_run(copy.deepcopy(bank), x, counts, gy, dev)
     for name, k, e in zip(["y", "dx", "w1", "w2", "w3"], kernel, emulated):
         assert max_rel_err(k, e) <= BOUND, (name, max_rel_err(k, e))
+
+
+def test_rowwise_bank_kernel_equals_its_emulation(monkeypatch):
+    """parallel.fp8_recipe=rowwise (moe/fp8_rowwise.py): the bank on torch._scaled_grouped_mm
+    against the same bank with the kernel's emulation, on the same GPU: both quantize with
+    the same code, so they differ by the kernel's accumulation order and bf16 output rounding.
+    Bound 2^-6 of each tensor's largest value (the CPU contract test holds 2^-7 against an
+    independent emulation); the measured values are printed (-rA shows them)."""
+    import moe.fp8_rowwise as rw
+    from moe.fp8 import device_fp8_kernels
+    dev = torch.device("cuda")
+    if not device_fp8_kernels(dev).rowwise:
+        pytest.skip("torch._scaled_grouped_mm needs compute capability 9.0+")
+    bank, counts, x, gy = _bank()
+    bank.set_fp8(True, "rowwise", where_it_pays=False)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return torch._scaled_grouped_mm(*args, **kwargs)
+    monkeypatch.setattr(experts, "scaled_grouped_kernel", lambda device, kernels: counted)
+    real = _bank_run(copy.deepcopy(bank), x, torch.tensor(counts, device=dev), gy, dev)
+    assert len(calls) == 6, calls    # w1, w3, w2 forward; their dgrads
+    monkeypatch.setattr(experts, "scaled_grouped_kernel",
+                        lambda device, kernels: rw.emulated_scaled_grouped_mm)
+    emulated = _bank_run(copy.deepcopy(bank), x, counts, gy, dev)
+    errs = {n: max_rel_err(k, e) for n, k, e in zip(["y", "dx", "w1", "w2", "w3"], real, emulated)}
+    print("rowwise kernel vs emulation, max rel err:", errs)
+    assert all(v <= 2 ** -6 for v in errs.values()), errs

@@ -174,20 +174,29 @@ def test_a_real_kernel_keeps_what_cannot_gain_in_bf16(monkeypatch):
     assert calls == [] and torch.isfinite(y).all()     # every GEMM ran bf16
 
 
-def test_train_py_says_which_bank_gemms_stay_bf16(monkeypatch):
-    """The run's first lines (trainer/run.py): one line per bank projection on a GPU with the
-    kernel, each with the model's figures; on this CPU one line saying all is emulated."""
+def test_train_py_says_which_gemms_stay_bf16(monkeypatch):
+    """The run's first lines (trainer/run.py, parallel/fp8.py fp8_lines): on a GPU with the
+    kernels, one line per bank projection and per Linear shape, each with the model's figures,
+    and the Linears that cannot gain left nn.Linear; on this CPU, all emulated."""
     import parallel.fp8 as pf
     from trainer.config import load_config
     from trainer.model import build_model
     cfg = load_config(None, ["model.d_model=2048", "moe.d_ff=768", "moe.num_experts=64", "moe.top_k=8",
-                             "model.n_layers=2", "moe.every=2", "model.d_ff=8192"])
+                             "model.n_layers=2", "moe.every=2", "model.d_ff=8192", "model.n_heads=16"])
     model = build_model(cfg, torch.device("meta"))
-    assert pf.rowwise_bank_lines(model, 16384, torch.device("cpu"), True) == [
+    pf.apply_fp8(model, "rowwise", rows=16384, compiled=True)
+    assert pf.fp8_lines(model, 16384, torch.device("cpu"), True) == [
         "fp8 rowwise: every expert-bank GEMM emulated on cpu (the tests' reference; "
-        "torch._scaled_grouped_mm runs on CUDA SM90+)"]
+        "torch._scaled_grouped_mm runs on CUDA SM90+)",
+        "fp8: the blocks' Linears emulated on cpu (FP8 matmuls need CUDA compute capability 8.9+)"]
     monkeypatch.setattr(pf, "device_fp8_kernels", lambda device: FP8Kernels(True, False, True))
-    lines = pf.rowwise_bank_lines(model, 16384, torch.device("cuda"), True)
-    assert len(lines) == 4 and all(ln.startswith("fp8 rowwise: stays bf16 [") for ln in lines), lines
-    assert "[2048 x 768]: FP8 saves 0.81 ns a row" in lines[2] and "2048 rows an expert" in lines[2]
-    assert "16384 rows an expert" in lines[0]          # the dense FFN: every token
+    model = build_model(cfg, torch.device("meta"))
+    pf.apply_fp8(model, "rowwise", rows=16384, compiled=True)
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    lines = pf.fp8_lines(model, 16384, torch.device("cuda"), True)
+    banks = [ln for ln in lines if ln.startswith("fp8 rowwise: ")]
+    assert len(banks) == 4 and all(ln.startswith("fp8 rowwise: stays bf16 [") for ln in banks), lines
+    assert "[2048 x 768]: FP8 saves 0.81 ns a row" in banks[2] and "2048 rows an expert" in banks[2]
+    assert "16384 rows an expert" in banks[0]          # the dense FFN: every token
+    assert "fp8 Linear: stays bf16 [2048 x 2048]: FP8 saves " in "\n".join(lines)
+    assert all(ln.endswith("(compiled, 16384 rows a micro-batch)") for ln in lines if "Linear" in ln)
