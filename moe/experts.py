@@ -171,6 +171,7 @@ class ExpertBank(nn.Module):
         self.fp8 = False  # parallel.precision=fp8 (set_fp8)
         self.fp8_recipe = "blockwise"
         self.fp8_where_it_pays = True
+        self.fp8_kernels = None
         self.set_cast_cache(True)
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_local, d_ff, d_model))
@@ -202,6 +203,12 @@ class ExpertBank(nn.Module):
                              f"of 16 (got {list(self.w1.shape[1:])}); change moe.d_ff / model.d_model "
                              f"or train in bf16")
         self.fp8, self.fp8_recipe, self.fp8_where_it_pays = on, recipe, where_it_pays
+        self.fp8_kernels = None   # set_fp8_device: the kernels, asked once outside any graph
+
+    def set_fp8_device(self, device: torch.device) -> None:
+        """Ask which FP8 kernels `device` runs now (moe/fp8.py device_fp8_kernels: a package
+        lookup torch.compile cannot trace), not in every forward."""
+        self.fp8_kernels = device_fp8_kernels(device)
 
     def fp8_choice(self, rows: int, real_kernel: bool, compiled: bool) -> tuple:
         """((w1, w2, w3) in FP8 or not, why per projection) for a rowwise-FP8 forward of `rows`
@@ -349,7 +356,7 @@ class ExpertBank(nn.Module):
             if not _plain(x_ND, params, same_dtype=False):  # plan validation refuses tp/etp
                 raise ValueError("rowwise FP8 banks take whole weights: a row's scale would span "
                                  "the tensor-parallel ranks; set parallel.fp8_recipe=tensorwise")
-            kernels = device_fp8_kernels(x_ND.device)
+            kernels = self.fp8_kernels or device_fp8_kernels(x_ND.device)
             fp8, _ = self.fp8_choice(x_ND.shape[0], kernels.rowwise, torch.compiler.is_compiling())
             with torch.autocast(dev, enabled=False):
                 return rowwise_fp8_ffn(scaled_grouped_kernel(x_ND.device, kernels),

@@ -94,14 +94,15 @@ def apply_fp8(model: nn.Module, recipe: str, meshes=None, rows=None, compiled: b
     has FP8 matmuls: a Linear whose shape cannot gain there (linear_pays) stays bf16."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"parallel.fp8_recipe={recipe!r}; use one of {', '.join(FP8_RECIPES)}")
+    device = target_device(model, meshes)
     for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
         bank.set_fp8(True, bank_recipe(recipe))
+        bank.set_fp8_device(device)
     kept = _kept(model)
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and id(m) not in kept]
     for name, m in linears:
         _check_linear_shape(name, m.weight.shape)
-    device = target_device(model, meshes)
     if rows is not None and fp8_matmul_available(device):
         linears = [(n, m) for n, m in linears if linear_pays(m, rows, compiled)[0]]
     if not linears:
