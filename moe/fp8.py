@@ -144,7 +144,7 @@ def _deep_gemm_installed() -> bool:
 
 def device_fp8_kernels(device: torch.device) -> FP8Kernels:
     """fp8_kernels of a live device."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return fp8_kernels(None, False)
     return fp8_kernels(torch.cuda.get_device_capability(device), _deep_gemm_installed())
 
