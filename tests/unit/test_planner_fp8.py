@@ -118,6 +118,7 @@ def test_the_planner_prices_fp8_where_the_runtime_runs_its_kernels(name, monkeyp
     from parallel.fp8 import fp8_matmul_available
     from parallel.planner.hardware import CAPABILITIES
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: CAPABILITIES[name])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(fp8, "_deep_gemm_installed", lambda: True)
     cuda = torch.device("cuda")
     grouped = fp8.device_fp8_kernels(cuda).grouped
