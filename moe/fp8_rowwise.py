@@ -38,7 +38,7 @@ import torch
 from .wire import E4M3, E4M3_MAX
 
 __all__ = ["quantize_rows", "emulated_scaled_grouped_mm", "scaled_grouped_kernel", "rowwise_gemm",
-           "rowwise_fp8_ffn", "rowwise_pays", "rowwise_choice", "BF16_GROUPED_TFLOPS", "QUANT_TBS"]
+           "rowwise_fp8_ffn", "rowwise_pays", "rowwise_choice", "fp8_speedup", "BF16_GROUPED_TFLOPS", "QUANT_TBS"]
 
 BF16_GROUPED_TFLOPS = 700.0                   # H200, expert-shaped grouped bf16 GEMMs
 FP8_SPEEDUP = ((768, 1.00), (2048, 1.22))     # (contraction, bf16 time / FP8 time), H200
@@ -155,7 +155,9 @@ def rowwise_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None
     return proj(act(h1, h3).contiguous(), w2, b2, fp8[1])
 
 
-def _speedup(contraction: int) -> float:
+def fp8_speedup(contraction: int) -> float:
+    """The FP8 kernel's speed over bf16 for a GEMM of this contraction (FP8_SPEEDUP, linear
+    between the measured points)."""
     (k0, s0), (k1, s1) = FP8_SPEEDUP
     if contraction <= k0:
         return s0
@@ -168,7 +170,7 @@ def rowwise_pays(K: int, N: int, rows_per_expert: float, compiled: bool,
                  rows_of: str = "an expert") -> tuple:
     """(pays, why) for an expert projection w [K, N] in rowwise FP8 rather than bf16, by the
     module docstring's model: the seconds saved and spent per row of x, in words."""
-    saved = 2 * K * N / (BF16_GROUPED_TFLOPS * 1e12) * ((1 - 1 / _speedup(K)) + (1 - 1 / _speedup(N)))
+    saved = 2 * K * N / (BF16_GROUPED_TFLOPS * 1e12) * ((1 - 1 / fp8_speedup(K)) + (1 - 1 / fp8_speedup(N)))
     bw = QUANT_TBS["compiled" if compiled else "eager"] * 1e12
     cost = 3 * (K + N) / bw + 10 * K * N / (max(rows_per_expert, 1.0) * bw)
     why = (f"[{K} x {N}]: FP8 saves {saved * 1e9:.2f} ns a row, quantizing costs {cost * 1e9:.2f} "

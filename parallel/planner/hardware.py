@@ -61,7 +61,9 @@ How the planner's numbers come from them -- one rule for every preset, nothing p
                              fp8_kernels, the runtime's own predicate, with deep_gemm taken as
                              installed); the expert GEMMs' shape slowdown applies as in bf16;
                              the A100 (and a custom machine without --fp8-flops) runs them at
-                             the bf16 rate
+                             the bf16 rate. fp8_recipe=rowwise: per GEMM shape, bf16 where
+                             the runtime keeps it bf16, else the rowwise kernel's measured
+                             speed over bf16 (step_time.fp8_gemm_time)
   host copies              = PCIe x16 per direction x 0.80 (offload)
   MFU                      = model FLOPs per GPU per second / the *peak* (not achievable)
 A custom machine: --flops (achievable), --peak-flops, --fp8-flops (achievable), --gpu-mem,

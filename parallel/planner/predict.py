@@ -142,7 +142,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
                                                    plan.stages_per_rank))
     d, m = a2a_overlap_degree(w), micro_count(w, plan)
     paired = paired_shares(plan, m)
-    slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw)
+    slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw, w)
     for stage, rank in enumerate(stage_ranks(plan)):
         state = cache.get(plan, rank)
         acts = activations(w, plan, state, stage)

@@ -354,7 +354,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
         return sum(t * f for t, f in zip(sync_seconds(s, held, hw, stages_over), sync_factor))
     held = [sizes] if plan.pp == 1 else _stage_sizes(_block_bytes(w), stages)
     xs, worst = [], 0.0
-    slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw)
+    slowdown, fp8 = expert_gemm_slowdown(w, plan, hw), fp8_gemm_time(plan, hw, w)
     for st, own in zip(stages, held):
         compute = rank_flops(costs, w, plan, st, slowdown, fp8) / (hw.tflops * 1e12)
         if costs.step_bytes is not None:  # its memory-bound work per token (traced_bytes.py)

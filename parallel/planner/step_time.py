@@ -229,12 +229,50 @@ def expert_rows(w, plan) -> float:
     return tokens * moe.top_k * plan.ep * plan.etp / moe.num_experts * imbalance
 
 
-def fp8_gemm_time(plan, hw: Hardware) -> float:
-    """precision=fp8: the blocks' GEMMs' time at hw's FP8 rate over their time at its bf16
-    rate (hardware.py "FP8 GEMMs"); 1 otherwise or where no FP8 rate is known."""
+def fp8_gemm_time(plan, hw: Hardware, w=None) -> float:
+    """precision=fp8: the blocks' GEMMs' time at the FP8 rate over their time at the bf16 one;
+    1 otherwise or where the preset has no FP8 GEMMs. fp8_recipe=rowwise with the workload
+    `w`: what the runtime runs (parallel/fp8.py) -- each GEMM whose shape cannot gain stays
+    bf16 (moe/fp8_rowwise.py rowwise_pays), the others at the rowwise kernel's measured speed
+    over bf16 (fp8_speedup), weighted by their FLOPs a token; else hw's FP8 rate over its
+    bf16 one (hardware.py "FP8 GEMMs": DeepGEMM's blockwise kernel)."""
     if plan.precision != "fp8" or not hw.fp8_tflops:
         return 1.0
-    return hw.tflops / hw.fp8_tflops
+    if plan.fp8_recipe != "rowwise" or w is None:
+        return hw.tflops / hw.fp8_tflops
+    from moe.fp8_rowwise import fp8_speedup, rowwise_pays
+    compiled = plan.compile is True
+    tokens = micro_seqs(w, plan) * w.stream_tokens.get("decoder", 0) / plan.cp
+    flops = timed = 0.0
+    for K, N, per_token, rows in _block_gemms(w, tokens):
+        f = 2 * K * N * per_token
+        fp8 = rowwise_pays(K, N, rows, compiled)[0]
+        flops += f
+        # forward (contraction K) and dgrad (N) in FP8, wgrad in bf16: 3 GEMMs of equal FLOPs
+        timed += f * ((1 / fp8_speedup(K) + 1 / fp8_speedup(N) + 1) / 3 if fp8 else 1.0)
+    return timed / flops if flops else 1.0
+
+
+def _block_gemms(w, tokens: float) -> list:
+    """(K, N, GEMMs of that shape a token runs on average over the blocks, rows a weight sees a
+    micro-batch) for the blocks' attention projections and FFN/expert projections."""
+    m, moe = w.model_cfg, w.moe_cfg
+    D, H = m.d_model, m.n_heads
+    hd = m.head_dim or D // H
+    kv = (m.n_kv_heads or H) * hd
+    ffn_mats = 3 if w.gated else 2
+    n = m.n_layers
+    moe_frac = sum(w.is_moe_block(i) for i in range(n)) / n if w.has_moe() else 0.0
+    out = [(D, H * hd, 1, tokens), (H * hd, D, 1, tokens), (D, kv, 2, tokens)]
+    if moe_frac < 1:
+        out.append((D, m.d_ff, (ffn_mats - 1) * (1 - moe_frac), tokens))
+        out.append((m.d_ff, D, 1 - moe_frac, tokens))
+    if moe_frac:
+        F, k, E = w.expert_d_ff, moe.top_k, moe.num_experts
+        rows = tokens * k / E
+        out.append((D, F, (ffn_mats - 1) * k * moe_frac, rows))
+        out.append((F, D, k * moe_frac, rows))
+    return [g for g in out if g[2] > 0]
 
 
 def expert_gemm_slowdown(w, plan, hw: Hardware) -> float:

@@ -127,3 +127,34 @@ def test_the_planner_prices_fp8_where_the_runtime_runs_its_kernels(name, monkeyp
         asked, ask = [], fp8.device_fp8_kernels
         monkeypatch.setattr(fp8, "device_fp8_kernels", lambda d: asked.append(d) or ask(d))
         assert fp8.grouped_fp8_kernel(cuda) is None and asked == [cuda]
+
+
+def test_rowwise_prices_what_the_runtime_runs():
+    """fp8_recipe=rowwise: the planner asks the runtime's cost model (moe/fp8_rowwise.py
+    rowwise_pays) per GEMM: the Qwen3-30B-shaped model's GEMMs all stay bf16 (factor 1, the
+    H200's measured 1.00x), Mixtral-8x22B-sized experts compiled run FP8 at the kernel's
+    measured speed (forward and dgrad at 1.22x, wgrad bf16: at most (2/1.22 + 1)/3 = 0.88 of
+    their bf16 time), and the blockwise recipe keeps the preset's DeepGEMM rate."""
+    import dataclasses
+
+    from parallel.planner.step_time import fp8_gemm_time
+    from parallel.plan import ParallelPlan
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    hw = preset("h200")
+    qwen = workload_from_config(load_config(None, [
+        "model.d_model=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=4",
+        "model.head_dim=128", "model.activation=swiglu", "moe.num_experts=64", "moe.top_k=8",
+        "moe.d_ff=768", "moe.every=1", "data.seq_len=2048", "train.batch_size=8"]))
+    rowwise = ParallelPlan(dp=1, precision="fp8", fp8_recipe="rowwise", compile=True)
+    assert fp8_gemm_time(rowwise, hw, qwen) == 1.0
+    mixtral = workload_from_config(load_config(None, [
+        "model.d_model=6144", "model.n_layers=2", "model.n_heads=48", "model.n_kv_heads=8",
+        "model.head_dim=128", "model.activation=swiglu", "moe.num_experts=8", "moe.top_k=2",
+        "moe.d_ff=16384", "moe.every=1", "data.seq_len=4096", "train.batch_size=32",
+        "model.max_seq_len=4096"]))
+    factor = fp8_gemm_time(rowwise, hw, mixtral)
+    assert (2 / 1.22 + 1) / 3 <= factor < 1.0, factor
+    assert fp8_gemm_time(dataclasses.replace(rowwise, compile=False), hw, mixtral) == 1.0
+    blockwise = ParallelPlan(dp=1, precision="fp8")
+    assert fp8_gemm_time(blockwise, hw, qwen) == hw.tflops / hw.fp8_tflops
