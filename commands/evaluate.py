@@ -18,6 +18,7 @@ TensorBoard there). The checkpoint loads as trainer.generate loads it (trainer/i
 one process, any saved layout, MoE routing dropless.
 """
 import argparse
+import os
 import json
 import math
 import sys
@@ -86,7 +87,8 @@ def _evaluate(args) -> dict:
         from commands.profile import print_summary
         print_summary(report, sys.stdout)
         if args.out:
-            print(f"wrote {args.out}/load.json, {args.out}/load.png, {args.out}/tensorboard")
+            print(f"wrote {os.path.join(args.out, 'load.json')}, {os.path.join(args.out, 'load.png')}, "
+                  f"{os.path.join(args.out, 'tensorboard')}")
     return result
 
 
