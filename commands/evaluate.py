@@ -18,9 +18,9 @@ TensorBoard there). The checkpoint loads as trainer.generate loads it (trainer/i
 one process, any saved layout, MoE routing dropless.
 """
 import argparse
-import os
 import json
 import math
+import os
 import sys
 
 
