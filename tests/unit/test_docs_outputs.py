@@ -1,9 +1,15 @@
 """The outputs the docs show stay true.
 
-Every command block in docs/ carries a mark on the line before its fence:
+Every command block in docs/, and every ```python block there and in README.md, carries a
+mark on the line before its fence:
   <!-- run: ci -->                      short and deterministic: run here, quoted lines checked
+                                        (a python block: saved and run as a script from an
+                                        empty directory with the project on PYTHONPATH, as a
+                                        user copies it; /tmp/byo paths point into that dir)
   <!-- run: bench YYYY-MM-DD <commit> --> long: when, and at which commit, it printed what is shown
-  <!-- run: no, <why> -->                not re-run (a GPU, several nodes, a scheduler, ...)
+  <!-- run: test <tests/...py> -->      a python block that test runs (and checks what it prints)
+  <!-- run: no, <why> -->                not re-run (a GPU, several nodes, a process group, ...)
+The count of blocks not run here is reported as a warning at the end of the run.
 
 A ci block's command runs from the repository root (train.py's run.dir pointed at a tmp dir),
 and every line quoted after it must appear in its output, in order: numbers exactly, except
@@ -20,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-MARK = re.compile(r"^<!-- run: (ci|bench \d{4}-\d\d-\d\d [0-9a-f]{7,40}|no, .+) -->$")
+MARK = re.compile(r"^<!-- run: (ci|bench \d{4}-\d\d-\d\d [0-9a-f]{7,40}|test tests/\S+\.py|no, .+) -->$")
 COMMAND_LANGS = {"bash", "sh", "shell", "console"}
 # a CPU run's timings: the value after these words is matched by pattern, not by value
 TIMING = re.compile(r"((?:tok/s|TFLOP/s|mfu|eta) )(\S+)")
@@ -69,7 +75,7 @@ def ci_cases(path: Path):
     """(id, command, quoted output lines) for each ci-marked block of a page."""
     bs, out = blocks(path.read_text()), []
     for k, b in enumerate(bs):
-        if b["mark"] != "ci":
+        if b["mark"] != "ci" or b["lang"] == "python":
             continue
         body = b["body"]
         if any(l.startswith("$ ") for l in body):
@@ -183,3 +189,48 @@ def test_an_unmarked_command_is_found(tmp_path):
     text = FAKE.format(loss="1").replace("<!-- run: no, needs a GPU -->\n", "")
     unmarked = [b for b in blocks(text) if is_command(b) and not b["mark"]]
     assert [b["body"] for b in unmarked] == [["python train.py run.device=cuda"]]
+
+
+# ```python blocks (README.md and docs/) ------------------------------------------------------
+def python_blocks():
+    """(page, block) for every python block a user can copy."""
+    return [(p, b) for p in [ROOT / "README.md"] + doc_pages() for b in blocks(p.read_text())
+            if b["lang"] == "python"]
+
+
+PY_CASES = [(f"{p.name}:{b['line']}", b["body"]) for p, b in python_blocks() if b["mark"] == "ci"]
+
+
+def test_every_python_block_is_marked_and_its_test_exists():
+    blocks_ = python_blocks()
+    unmarked = [f"{p.relative_to(ROOT)}:{b['line']}" for p, b in blocks_ if not b["mark"]]
+    assert not unmarked, unmarked
+    for p, b in blocks_:
+        if b["mark"].startswith("test "):
+            test = ROOT / b["mark"].split()[1]
+            assert test.is_file() and p.name in test.read_text(), (p.name, b["line"], b["mark"])
+    assert PY_CASES, "no ci-marked python block"
+
+
+@pytest.mark.parametrize("where, body", PY_CASES, ids=[c[0] for c in PY_CASES])
+def test_python_snippet_runs_as_copied(where, body, tmp_path):
+    code = "\n".join(body).replace("/tmp/byo", str(tmp_path / "byo"))
+    (tmp_path / "snippet.py").write_text(code + "\n")
+    env = dict(__import__("os").environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{where}:\n{out.stdout[-2000:]}{out.stderr[-3000:]}"
+
+
+def test_docs_report_the_blocks_not_run_here():
+    """The blocks not re-run here (bench: dated output; no: why), counted and reported."""
+    import warnings
+    marks = [b["mark"] for p in doc_pages() for b in blocks(p.read_text())
+             if (is_command(b) or b["lang"] == "python") and b["mark"]]
+    marks += [b["mark"] for p, b in python_blocks() if p.name == "README.md" and b["mark"]]
+    bench = sum(m.startswith("bench ") for m in marks)
+    no = sum(m.startswith("no, ") for m in marks)
+    ran = sum(m == "ci" or m.startswith("test ") for m in marks)
+    assert ran and bench + no + ran == len(marks)
+    warnings.warn(f"docs: {ran} blocks run here, {bench + no} not ({bench} dated bench outputs, "
+                  f"{no} that cannot run here)", UserWarning)

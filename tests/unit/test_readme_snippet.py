@@ -1,6 +1,7 @@
 """The README's MoE-swap snippet runs as a user copies it (issue 62, item 2): the first
-```python block of README.md, run in a fresh interpreter from an empty directory with the
-project on PYTHONPATH, trains one backward and prints its loss."""
+```python block of README.md (and docs/huggingface.md's first, the same text), run in a
+fresh interpreter from an empty directory with the project on PYTHONPATH, trains one
+backward and prints its loss."""
 import os
 import re
 import subprocess
@@ -19,6 +20,9 @@ def test_readme_python_snippet_runs(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.fullmatch(r"loss \d+\.\d{3}", out.stdout.strip().splitlines()[-1]), out.stdout
+    # docs/huggingface.md opens with the same snippet, character for character
+    hf_page = (ROOT / "docs" / "huggingface.md").read_text()
+    assert re.search(r"^```python\n(.*?)^```$", hf_page, re.S | re.M).group(1) == snippet
 
 
 def test_huggingface_demo_runs_and_prints_what_the_docs_quote(tmp_path):
