@@ -35,6 +35,7 @@ H100, Megatron-Core reports +20% on Mixtral-8x22B.
 """
 import torch
 
+from .grouped_mm import _add_bias, expert_of_rows, offsets_from_counts
 from .wire import E4M3, E4M3_MAX
 
 __all__ = ["quantize_rows", "emulated_scaled_grouped_mm", "scaled_grouped_kernel", "rowwise_gemm",
@@ -138,16 +139,13 @@ def rowwise_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None
     """Expert e's FFN on its rows of x_ND (bf16, sorted by expert, counts per expert: a long
     tensor on the device or ints) with w1, w2, w3 in rowwise FP8 where fp8 says so (rowwise_pays
     per projection), bf16 grouped GEMMs elsewhere; biases and the activation in bf16."""
-    from .grouped_mm import offsets_from_counts
     offs_E = offsets_from_counts(counts, x_ND.device)
-    expert_N = None
-    if any(b is not None for b in (b1, b2, b3)):
-        rows = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=torch.int32)
-        expert_N = torch.searchsorted(offs_E, rows, right=True).clamp_(max=w1.shape[0] - 1)
+    has_bias = any(b is not None for b in (b1, b2, b3))
+    expert_N = expert_of_rows(offs_E, x_ND.shape[0]) if has_bias else None
 
     def proj(a, w, b, on):
         y = rowwise_gemm(a, w, offs_E, kernel, on)
-        return y if b is None else y + b.to(y.dtype)[expert_N]
+        return _add_bias(y, None if b is None else b.to(y.dtype), expert_N)
 
     x_ND = x_ND.contiguous()
     h1 = proj(x_ND, w1, b1, fp8[0])

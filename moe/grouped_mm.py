@@ -122,6 +122,13 @@ def _add_bias(h_NX, b_EX, expert_N):
     return h_NX if b_EX is None else h_NX + b_EX[expert_N]
 
 
+def expert_of_rows(offs_E: torch.Tensor, n: int) -> torch.Tensor:
+    """The expert of each of n rows sorted by expert (int32 end offsets): how many ends lie
+    at or before the row; rows past the last end (padding) get the last expert."""
+    rows = torch.arange(n, device=offs_E.device, dtype=torch.int32)
+    return torch.searchsorted(offs_E, rows, right=True).clamp_(max=offs_E.shape[0] - 1)
+
+
 class _GroupedMMFFN(torch.autograd.Function):
     """All experts' FFNs as grouped GEMMs; saves h1 (h3) and a (not a under act.recompute),
     like the loop path."""
@@ -130,10 +137,7 @@ class _GroupedMMFFN(torch.autograd.Function):
     def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3, padded=False):
         N, gated = x_ND.shape[0], w3 is not None
         has_bias = any(b is not None for b in (b1, b2, b3))
-        # expert of each row, only for biases: counts how many ends lie at or before the row
-        expert_N = (torch.searchsorted(offs_E, torch.arange(N, device=x_ND.device,
-                                                            dtype=torch.int32), right=True)
-                    .clamp_(max=w1.shape[0] - 1) if has_bias else None)  # padded rows: the last
+        expert_N = expert_of_rows(offs_E, N) if has_bias else None  # only for biases
         h1 = _add_bias(_gmm(x_ND, w1, offs_E), b1, expert_N)
         h3 = _add_bias(_gmm(x_ND, w3, offs_E), b3, expert_N) if gated else None
         a = act(h1, h3)

@@ -29,7 +29,7 @@ from models.layers import Linear
 from moe import Router
 from moe.experts import ExpertBank
 from moe.fp8 import bank_recipe, device_fp8_kernels
-from moe.fp8_rowwise import rowwise_choice, rowwise_pays
+from moe.fp8_rowwise import rowwise_pays
 from moe.layer import MoELayer
 
 from .mesh import default_device_type
@@ -172,11 +172,11 @@ def _bank_lines(model, tokens_per_micro, device, compiled) -> list:
     seen, lines = set(), []
     for bank in (m for m in model.modules() if isinstance(m, ExpertBank)):
         E, D, F = bank.w1.shape
-        rows = tokens_per_micro * routed.get(id(bank), E) / E
-        if (D, F, rows) in seen:
+        rows = tokens_per_micro * routed.get(id(bank), E)   # the rows the whole bank runs
+        if (D, F, rows / E) in seen:
             continue
-        seen.add((D, F, rows))
-        (up, down, _), whys = rowwise_choice(D, F, rows, real, compiled)
+        seen.add((D, F, rows / E))
+        (up, down, _), whys = bank.fp8_choice(rows, real, compiled)
         for on, why in zip((up, down), whys):
             lines.append(f"fp8 rowwise: {'FP8' if on else 'stays bf16'} {why}")
     return lines
