@@ -183,16 +183,23 @@ class Router(nn.Module):
         )
 
     @torch.no_grad()
-    def update_selection_bias(self, rate: float, load_E=None) -> None:
+    def update_selection_bias(self, rate: float, load_E=None, applied=None) -> None:
         """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the rest.
 
         `load_E` defaults to the counts accumulated since the last call (pass an all-reduced
-        copy under data parallelism so every rank moves the bias identically).
+        copy under data parallelism so every rank moves the bias identically). `applied`: a
+        0-dim tensor, 1 when the optimizer step was taken and 0 when it was skipped (decided on
+        the device, train.step_checks=device): a skipped step moves nothing and keeps its load
+        pending, as a skip decided on the host (no call) does. Nothing is read on the host.
         """
         load_E = (self.pending_load if load_E is None else load_E).to(self.selection_bias.dtype)
-        if load_E.sum() > 0:
-            self.selection_bias += rate * torch.sign(load_E.mean() - load_E)
-        self.pending_load.zero_()
+        move_E = torch.sign(load_E.mean() - load_E) * (load_E.sum() > 0)  # no load: no move
+        if applied is None:
+            self.pending_load.zero_()
+        else:
+            move_E = move_E * applied
+            self.pending_load.mul_((1 - applied).to(self.pending_load.dtype))
+        self.selection_bias += rate * move_E
 
 
 def forced_balanced_ids(T: int, K: int, E: int, device) -> torch.Tensor:

@@ -56,14 +56,16 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
     if train_cfg.optimizer == "adafactor":
         return Adafactor(groups, lr=train_cfg.lr, relative_step=train_cfg.adafactor_relative_step)
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-                             eps=train_cfg.eps, **adamw_impl(train_cfg.optimizer_impl, model))
+                             eps=train_cfg.eps, **adamw_impl(train_cfg.optimizer_impl, model,
+                                                               train_cfg.step_checks == "device"))
 
 
-def adamw_impl(impl: str, model: torch.nn.Module) -> dict:
+def adamw_impl(impl: str, model: torch.nn.Module, device_checks: bool = False) -> dict:
     """torch.optim.AdamW's implementation keywords for train.optimizer_impl. auto: the fused
-    kernel (one launch per parameter group and dtype) when every parameter is on CUDA, else
-    torch's default (foreach on CUDA, a per-parameter loop on CPU, where fused gains little)."""
+    kernel (one launch per parameter group and dtype) when every parameter is on CUDA or
+    train.step_checks=device (its skip is the fused kernel's found_inf), else torch's default
+    (foreach on CUDA, a per-parameter loop on CPU, where fused gains little)."""
     if impl == "auto":
         on_cuda = all(p.device.type == "cuda" for p in model.parameters())
-        return {"fused": True} if on_cuda else {}
+        return {"fused": True} if on_cuda or device_checks else {}
     return {"fused": impl == "fused", "foreach": impl == "foreach"}

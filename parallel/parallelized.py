@@ -123,14 +123,17 @@ class Parallelized:
         if self.tied is not None:
             self.tied.sum_grads(held_grad(self.tied.param, self.zero))
 
-    def update_router_bias(self, rate: float) -> None:
+    def update_router_bias(self, rate: float, applied=None) -> None:
         """After the optimizer step: move every router's aux-loss-free selection bias by its
-        pending expert load, summed over the token pool (moe.bias_update_rate; 0 = off)."""
+        pending expert load, summed over the token pool (moe.bias_update_rate; 0 = off).
+        applied: None, or a 0-dim device tensor, 0 where the step was skipped on the device
+        (Router.update_selection_bias)."""
         if rate <= 0:
             return
         from moe.aux import moe_layers
         for _, layer in moe_layers(self.model):
-            layer.router.update_selection_bias(rate, self.sum_load(layer.router.pending_load))
+            layer.router.update_selection_bias(rate, self.sum_load(layer.router.pending_load),
+                                               applied)
 
     def pipeline_aux_loss(self) -> torch.Tensor:
         """pp > 1, after pipeline_step: the aux part of its loss, summed over the stages (each

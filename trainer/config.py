@@ -317,7 +317,28 @@ def _check_ranges(cfg: Config) -> None:
     _require(cfg.moe.swiglu_alpha > 0, f"moe.swiglu_alpha={cfg.moe.swiglu_alpha} must be > 0")
 
 
+def step_checks_blocker(cfg: Config, plan) -> str:
+    """Why train.step_checks=device cannot run this config ('' when it can): the skip it
+    decides on the device goes through fused AdamW's found_inf in one plain step."""
+    t = cfg.train
+    for why, bad in ((f"train.optimizer={t.optimizer!r} (set train.optimizer='adamw')", t.optimizer != "adamw"),
+                     (f"train.optimizer_impl={t.optimizer_impl!r} (set 'fused' or 'auto')",
+                      t.optimizer_impl not in ("auto", "fused")),
+                     ("parallel.precision='fp16' (its loss scaler reads overflows on the host)",
+                      plan.precision == "fp16"),
+                     (f"parallel.pp={plan.pp} (the pipeline schedule steps on the host; set pp=1)", plan.pp > 1),
+                     (f"parallel.ps_servers={plan.ps_servers} (the servers step; set 0)", plan.ps_servers > 0),
+                     (f"parallel.offload={plan.offload!r} (a host-resident step; set 'none')", plan.offload != "none")):
+        if bad:
+            return why
+    return ""
+
+
 def _check_optimizer(cfg: Config, plan) -> None:
+    if cfg.train.step_checks == "device":
+        why = step_checks_blocker(cfg, plan)
+        _require(not why, f"train.step_checks='device' cannot run with {why}; "
+                          f"or set train.step_checks='host'")
     impl = cfg.train.optimizer_impl
     _require(impl == "auto" or cfg.train.optimizer == "adamw",
              f"train.optimizer_impl={impl!r} picks torch AdamW's implementation; with "

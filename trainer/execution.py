@@ -48,8 +48,15 @@ class Plain:
             with par.comm_label("other"):
                 overflow = tr.scaler is not None and tr.scaler.unscale_(par.grads())
                 norm = None if overflow else par.clip_grad_norm_(tr.cfg.train.grad_clip)
-                diverged, stop = tr.agree(loss + aux, norm)
-            if not (overflow or diverged):  # a skip leaves weights, optimizer state and schedule
+                if tr.checks is not None:  # train.step_checks=device: decided on the device
+                    skipped = tr.checks.verdict(loss + aux, norm)
+                else:
+                    diverged, stop = tr.agree(loss + aux, norm)
+            if tr.checks is not None:  # found_inf: a skip leaves weights and optimizer state
+                tr.stager.fence()
+                tr.checks.optimizer_step(tr.optimizer, tr.sched, skipped)
+                par.update_router_bias(tr.cfg.moe.bias_update_rate, applied=1 - skipped)
+            elif not (overflow or diverged):  # a skip leaves weights, optimizer state and schedule
                 tr.stager.fence()  # an async save's copies of them are done first (on the GPU)
                 tr.optimizer.step()
                 tr.sched.step()
@@ -62,7 +69,10 @@ class Plain:
             rec["peak_mem_bytes"] = peak.peak_bytes
             if peak.reserved_bytes is not None:
                 rec["peak_mem_reserved_bytes"] = peak.reserved_bytes
-        loss, aux = par.mean_over_dp(torch.stack([loss, aux])).tolist()
+        mean = par.mean_over_dp(torch.stack([loss, aux]))
+        if tr.checks is not None:  # read later, with the other held steps (step_checks.py)
+            return StepResult(mean[0], mean[1], stats, norm, skipped)
+        loss, aux = mean.tolist()
         skipped = "overflow" if overflow else "diverged" if diverged else False
         return StepResult(loss, aux, stats, norm, skipped, stop)
 

@@ -102,11 +102,13 @@ def _aliases_input(t, args) -> bool:
 CPU_EVERY = 50  # a measured CPU step costs 1.6x (bench/peak_mem_cost.py): ~1% of a run
 
 
-def peak_mem_every(every: int, device: torch.device) -> int:
-    """log.peak_mem_every resolved: the steps between measurements (0 = auto)."""
+def peak_mem_every(every: int, device: torch.device, reads: int = 0) -> int:
+    """log.peak_mem_every resolved: the steps between measurements (0 = auto). reads: the
+    steps between the host's reads of the device under train.step_checks=device (log.every),
+    where auto measures on CUDA (a measurement synchronizes: the host would stop running ahead)."""
     if every:
         return every
-    return 1 if device.type == "cuda" else CPU_EVERY
+    return (reads or 1) if device.type == "cuda" else CPU_EVERY
 
 
 class PeakMemory:

@@ -28,6 +28,7 @@ from .metrics import MetricsLogger
 from .plan_check import PlanCheck, enabled as plan_check_enabled
 from .model import build_model, init_fn, task_arch
 from .run_dir import AUTO, clear_run, prepare_run, remove_unused_auto_dir
+from .step_checks import DeviceChecks, resolve_step_checks
 from .steps import Trainer
 from .stops import StopRequest, Stopped
 from .tasks import Task, sentinels_needed, token_loss
@@ -172,6 +173,12 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         described = described + fp8_lines(par.model, micro_tokens, ctx.device, bool(plan.compile))
     sched = WarmupCosine(optimizer, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps,
                          cfg.train.min_lr_ratio)
+    checks = resolve_step_checks(cfg, plan, optimizer, ctx.device)
+    if checks != "host" or cfg.train.step_checks != "auto" or ctx.device.type == "cuda":
+        described = described + [f"step checks: {checks} (train.step_checks={cfg.train.step_checks}"
+                                 + (f"; loss, gradient norm and skips read every {cfg.log.every} "
+                                    f"steps, log.every)" if checks == "device" else
+                                    "; every step reads its loss and gradient norm)")]
     scaler = DynamicLossScaler(init_scale=cfg.train.loss_scale_init) \
         if plan.precision == "fp16" else None
     sampler = BatchSampler(train_file.num_sequences, cfg.train.batch_size, cfg.train.seed,
@@ -207,7 +214,8 @@ def _train(cfg, ctx, plan, resume_from) -> int:
                                par.split_sequence if plan.cp > 1 else None),
                           execution_for(par, ps), first_step=start + 1, stop_request=stop_request,
                           step_flops=flops, plan_check=check, replay=replay,
-                          save_group=_save_group(cfg, ctx))
+                          save_group=_save_group(cfg, ctx),
+                          checks=DeviceChecks(ctx, ctx.device) if checks == "device" else None)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 trainer.step(step)

@@ -49,6 +49,7 @@ class TrainConfig:
     resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir; with run.dir=auto, "
                              "in the newest runs/<run.name>-NNN that has one (none: starts from step 0 and says so)")
     max_skipped_steps: int = _f(5, "stop (exit 3, naming the step) after this many consecutive steps skipped for a non-finite loss or gradient norm (fp16 overflow skips do not count); 0 = never stop")
+    step_checks: str = _f("auto", "where the step's non-finite guard is decided: host (every step reads the loss and gradient norm on the host, which waits for the device) | device (the skip is applied on the device through fused AdamW's found_inf; loss, aux, gradient norm, skips and a SIGTERM are read once per log.every steps and at evaluations, checkpoints and the end, so the host runs ahead; a divergence stop comes at that read; needs train.optimizer=adamw with optimizer_impl auto or fused, no fp16, pp 1, no parameter server, no offload) | auto (device on CUDA where those hold, else host)")
     loss_scale_init: float = _f(65536.0, "parallel.precision=fp16 only: initial loss scale; halved (and the step skipped) on a gradient overflow, doubled after 1000 clean steps")
 
 
@@ -75,7 +76,7 @@ class LogConfig:
     profile_every: int = _f(0, "write an expert-load profile (run.dir/profile/step_N: load.json, load.png, TensorBoard) every N steps; 0 = never")
     profile_batches: int = _f(2, "held-out batches (of train.batch_size sequences) per load profile")
     peak_mem: bool = _f(True, "measure this rank's peak tensor memory during the second step (the first with optimizer state) and every peak_mem_every-th step (metrics peak_mem_bytes; CUDA: max_memory_allocated, with max_memory_reserved as peak_mem_reserved_bytes; CPU: a live-tensor counter, see trainer/memory.py); false = never")
-    peak_mem_every: int = _f(0, "with log.peak_mem, also measure every N-th step; 0 = auto: every step on CUDA (the allocator's own counters: a synchronize before and after), every 50th on CPU (the live-tensor counter hooks every op: it slows the step it measures, see trainer/memory.py)")
+    peak_mem_every: int = _f(0, "with log.peak_mem, also measure every N-th step; 0 = auto: every step on CUDA (the allocator's own counters: a synchronize before and after; every log.every-th under train.step_checks=device, whose host runs ahead), every 50th on CPU (the live-tensor counter hooks every op: it slows the step it measures, see trainer/memory.py)")
     peak_tflops: float = _f(0.0, "peak dense TFLOP/s of one device, the denominator of metrics mfu; 0 = the data-sheet bf16 peak of a known GPU (A100, H100, H200, B200, MI300X), none elsewhere (no mfu on a CPU)")
     plan_check: str = _f("auto", "after warm-up, print the layout planner's prediction for this run's layout beside the measured peak memory and step time (rank 0; the planner runs in a subprocess beside the first steps; trainer/plan_check.py): on | off | auto (on for GPUs with a planner preset: A100, H100, H200, B200, MI300X; a CPU has no step-time model)")
     comm_bytes: bool = _f(True, "count the bytes each rank hands to collectives per step, by kind (metrics comm_bytes, TensorBoard comm_bytes/*); false removes its per-op dispatch hook")
@@ -95,6 +96,7 @@ CHOICES = {
     ("data", "tokenizer"): ("byte", "bpe"),
     ("train", "optimizer"): ("adamw", "adafactor", "muon"),
     ("train", "optimizer_impl"): ("auto", "fused", "foreach", "for_loop"),
+    ("train", "step_checks"): ("auto", "host", "device"),
     ("train", "muon_adjust_lr"): ("match_rms_adamw", "original"),
     ("train", "muon_ns_dtype"): ("auto", "bf16", "fp32"),
     ("log", "progress"): ("auto", "bar", "plain", "none"),

@@ -32,7 +32,7 @@ class Trainer:
 
     def __init__(self, cfg, ctx, par, optimizer, sched, scaler, sampler, files, log, task,
                  execution, first_step: int, stop_request=None, *, step_flops: float,
-                 plan_check=None, replay=None, save_group=None):
+                 plan_check=None, replay=None, save_group=None, checks=None):
         self.cfg, self.ctx, self.par, self.model = cfg, ctx, par, par.model
         self.optimizer, self.sched, self.scaler, self.sampler = optimizer, sched, scaler, sampler
         (self.train_file, self.val_file), self.log, self.task = files, log, task
@@ -51,6 +51,7 @@ class Trainer:
         self.save_group = save_group  # checkpoint.async_save: the gloo group DCP writes with
         self.saving = None  # checkpoint.PendingSave in flight (async), or None
         self.stager = HostStager()  # the async save's host buffers, kept across saves
+        self.checks = checks  # step_checks.DeviceChecks (train.step_checks=device), or None
 
     @property
     def rows_per_rank(self) -> int:
@@ -58,26 +59,51 @@ class Trainer:
 
     def step(self, n: int) -> None:
         """Train step n, log it, then whatever is due after it (evaluation, MoE statistics,
-        profile, checkpoint) and a SIGTERM stop."""
+        profile, checkpoint) and a SIGTERM stop. Under train.step_checks=device the step's
+        record waits, with its device values, for the next read (step_checks.py): a log
+        line, an evaluation, a checkpoint, a profile or the end."""
         t0 = time.perf_counter()
         scale = self.scaler.scale_value if self.scaler is not None else 1.0
         lr = self.sched.get_last_lr()
         rec = {"step": n}
+        if self.checks is not None:
+            self.checks.start(t0)
         r = self.execution.train(self, n, scale, rec)
-        dt = time.perf_counter() - t0
+        self._record_comm(rec)
+        if self.checks is None:
+            self._record(n, rec, r.loss, r.aux, r.norm, r.skipped, lr, time.perf_counter() - t0)
+            self._after_step(n, r.stats, r.stop)
+            return
+        self.checks.hold(n, rec, r.loss, r.aux, r.norm, r.skipped)
+        stop = False
+        if self._read_due(n):
+            held, stop = self.checks.read(self.sched, self.stop_request.requested)
+            for m, rec_m, loss, aux, norm, skipped, lr_m, dt in held:
+                self._record(m, rec_m, loss, aux, norm, "diverged" if skipped else False, lr_m, dt)
+        self._after_step(n, r.stats, stop)
+
+    def _read_due(self, n: int) -> bool:
+        """Under train.step_checks=device: whether step n's values are read (a log line, an
+        evaluation, a checkpoint, a profile or the end needs them)."""
+        c = self.cfg
+        return (self._due(n, c.log.every) or self._due(n, c.train.eval_every)
+                or self._due(n, c.checkpoint.every) or self._due(n, c.log.profile_every, False))
+
+    def _record(self, n: int, rec: dict, loss, aux, norm, skipped, lr: float, dt: float) -> None:
+        """Step n's record (its loss, norm and skip read), the evaluation when due, the log
+        line, the plan check, the divergence count and stop."""
         tokens = self.cfg.train.batch_size * self.cfg.data.seq_len
-        rec.update(loss=r.loss, aux_loss=r.aux, lr=lr,
-                   grad_norm=None if r.skipped else float(r.norm),
-                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=bool(r.skipped),
+        rec.update(loss=loss, aux_loss=aux, lr=lr,
+                   grad_norm=None if skipped else float(norm),
+                   tokens_per_s=tokens / dt, step_time_s=dt, skipped=bool(skipped),
                    tflops=self.step_flops / self.ctx.world_size / dt / 1e12)
         if self.peak_tflops:
             rec["mfu"] = rec["tflops"] / self.peak_tflops
-        if r.skipped == "diverged":
+        if skipped == "diverged":
             rec["skip_reason"] = "non-finite loss or gradient norm"
-        self._record_comm(rec)
         if self.scaler is not None:
-            self._update_loss_scale(n, scale, r.skipped == "overflow", rec)
-        self._count_divergence(n, r.skipped == "diverged", r.skipped == "overflow")
+            self._update_loss_scale(n, self.scaler.scale_value, skipped == "overflow", rec)
+        self._count_divergence(n, skipped == "diverged", skipped == "overflow")
         if self._due(n, self.cfg.train.eval_every, at_end=self.cfg.train.eval_every > 0) \
                 and not self.in_a_row:
             rec["val_loss"] = self.evaluate(n)
@@ -89,7 +115,6 @@ class Trainer:
                 self.log.info(line)
         if self.in_a_row:
             self._stop_if_diverged(n)
-        self._after_step(n, r.stats, r.stop)
 
     # ------------------------------------------------------------ what the strategies use
     def next_batch(self):
@@ -110,7 +135,8 @@ class Trainer:
         state: the steady state) and every log.peak_mem_every-th step when log.peak_mem, else
         None (on CPU its per-op hook stays off). Its baseline is the parameters and optimizer
         state held before the step (the step's zero_grad frees the old gradients first)."""
-        every = peak_mem_every(self.cfg.log.peak_mem_every, self.ctx.device)
+        every = peak_mem_every(self.cfg.log.peak_mem_every, self.ctx.device,
+                               self.cfg.log.every if self.checks is not None else 0)
         second = n == min(self.first_step + 1, self.cfg.train.steps)
         if not (self.cfg.log.peak_mem and (second or n % every == 0)):
             return None

@@ -56,3 +56,28 @@ def test_census_sees_syncs_and_host_reads():
         h = torch.tensor([3, 1, 2])
         (h * 2).tolist(), int(h.sum()), torch.bincount(h), h.nonzero()
     assert census.sync_ops == []
+
+
+STEP = ["log.every=5", "checkpoint.every=0", "checkpoint.at_end=false", "log.peak_mem=false",
+        "moe.bias_update_rate=0.01", "moe.experts_impl=grouped_mm", "train.optimizer_impl=fused"]
+
+
+@pytest.mark.parametrize("checks,held,read", [("host", 4, 4), ("device", 0, 1)])
+def test_training_step_host_reads(tmp_path, checks, held, read):
+    """A whole training step of the default MoE model (one process, Trainer.step: forward,
+    backward, clip, guard, optimizer, router bias) counted by the census, on a step whose
+    values the host does not read yet (step 2) and on the read step (5, log.every): the host
+    mode reads the loss, the guard's two flags and the norm every step (4); the device mode
+    (train.step_checks=device) reads nothing until the log interval, then every held step's
+    values in one copy."""
+    from tests.unit.test_divergence_guard import _texts_in, _trainer
+    tr = _trainer(tmp_path, _texts_in(tmp_path / "texts"), STEP + [f"train.step_checks={checks}"])
+    tr.step(1)
+    with OpCensus() as census:
+        tr.step(2)
+    assert census.syncs == held, census.sync_ops
+    tr.step(3)
+    tr.step(4)
+    with OpCensus() as census:
+        tr.step(5)
+    assert census.syncs == read, census.sync_ops

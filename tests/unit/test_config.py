@@ -134,6 +134,17 @@ def test_bad_files(tmp_path):
     (["train.optimizer=muon", "parallel.pp=2", "parallel.pp_schedule=2bw", "parallel.microbatches=2",
       "model.tie_embeddings=false"], 2,
      ["train.optimizer='muon'", "2bw"]),
+    (["train.step_checks=device", "parallel.precision=fp16"], 1,
+     ["train.step_checks='device'", "parallel.precision='fp16'", "train.step_checks='host'"]),
+    (["train.step_checks=device", "train.optimizer=adafactor"], 1,
+     ["train.step_checks='device'", "set train.optimizer='adamw'"]),
+    (["train.step_checks=device", "train.optimizer_impl=foreach"], 1,
+     ["train.step_checks='device'", "optimizer_impl='foreach'", "'fused'"]),
+    (["train.step_checks=device", "parallel.pp=2", "model.tie_embeddings=false"], 2,
+     ["train.step_checks='device'", "parallel.pp=2", "pp=1"]),
+    (["train.step_checks=device", "parallel.ps_servers=1"], 2, ["train.step_checks='device'", "ps_servers=1"]),
+    (["train.step_checks=device", "parallel.zero=1", "parallel.offload=optimizer"], 2,
+     ["train.step_checks='device'", "parallel.offload='optimizer'"]),
 ])
 def test_impossible_layouts_and_values(overrides, world, words):
     cfg = load_config(None, overrides)
