@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from moe.stats import RoutingStats
 
-from .dtensors import local
+from .dtensors import local, step_with_plain_replicated
 from .data_parallel.grad_sync import GradSync
 from .grads import clip_, grad_norm, held_grad, weighted_grads
 from .plan import ParallelPlan
@@ -81,6 +81,7 @@ class Parallelized:
         elif self.plan.offload == "params" and self.meshes is not None:
             from .data_parallel.offload import same_optimizer
             optimizer = same_optimizer(type(optimizer), optimizer.param_groups, optimizer.defaults, fused=True)
+        optimizer = step_with_plain_replicated(optimizer)  # tp: DTensors beside plain tensors
         from optim.muon import MuonAdamW
         if isinstance(optimizer, MuonAdamW) and self.meshes is not None:
             from .muon import for_layout, layout_groups  # whole-matrix updates for the pieces

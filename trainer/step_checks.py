@@ -75,7 +75,7 @@ class DeviceChecks:
             g["lr"] = lr
         optimizer.found_inf = skipped
         try:
-            optimizer.step()
+            optimizer.step()  # DTensor parameters: parallel.dtensors.step_with_plain_replicated
         finally:
             del optimizer.found_inf
             for g, r in zip(groups, rates):

@@ -11,10 +11,12 @@ pytestmark = pytest.mark.e2e
 
 # train.step_checks=device: decided on the device (fused AdamW's found_inf, the verdict
 # all-reduced on the device), read at each checkpoint (checkpoint.every=1: every step)
-@pytest.mark.parametrize("checks", ["host", "device"])
-def test_lr_1e6_stops_with_the_step_named_and_keeps_the_good_checkpoint(tmp_path, cache, checks):
+# (tp2: DTensor parameters, the verdict taken as a replicated scalar)
+@pytest.mark.parametrize("checks, layout", [("host", "parallel.dp=2"), ("device", "parallel.dp=2"),
+                                            ("device", "parallel.tp=2")])
+def test_lr_1e6_stops_with_the_step_named_and_keeps_the_good_checkpoint(tmp_path, cache, checks, layout):
     run = tmp_path / "run"
-    out = train(TINY + [f"data.cache_dir={cache}", f"run.dir={run}", "parallel.dp=2",
+    out = train(TINY + [f"data.cache_dir={cache}", f"run.dir={run}", layout,
                         f"train.step_checks={checks}",
                         "train.lr=1e6", "train.steps=30", "checkpoint.every=1", "checkpoint.keep=1",
                         "train.max_skipped_steps=3"], tmp_path, nproc=2, check=False)

@@ -1,5 +1,6 @@
-"""train.step_checks=device under torchrun, dp2 x ep2 (configs/layout_ep2_dp2.toml) on 2 gloo processes: the non-finite
-guard decided on the device (the verdict all-reduced there, fused AdamW's found_inf), the
+"""train.step_checks=device under torchrun on 2 gloo processes, dp2 x ep2
+(configs/layout_ep2_dp2.toml) and tp2 (DTensor parameters: the step's rate and verdict taken
+as replicated scalars): the non-finite guard decided on the device (the verdict all-reduced there, fused AdamW's found_inf), the
 values read every 3 steps (log.every), against the host mode's check every step. Same layout,
 same kernels, the router bias moving every step: every logged loss, aux loss, gradient norm
 and learning rate of 6 steps is equal exactly."""
@@ -10,8 +11,10 @@ from tests.e2e.test_train import TINY, cache, records, train  # noqa: F401 - cac
 pytestmark = pytest.mark.e2e
 
 
-def test_device_checks_equal_host_checks_under_dp2_ep2(tmp_path, cache):
-    common = TINY + [f"data.cache_dir={cache}", "parallel.dp=2", "parallel.ep=2", "train.steps=6",
+@pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.ep=2"], ["parallel.dp=1", "parallel.tp=2"]],
+                         ids=["dp2_ep2", "tp2"])
+def test_device_checks_equal_host_checks(tmp_path, cache, layout):
+    common = TINY + [f"data.cache_dir={cache}", "train.steps=6", *layout,
                      "log.every=3", "checkpoint.every=0", "moe.bias_update_rate=0.01",
                      "train.optimizer_impl=fused", "log.moe_stats_every=0"]
     got = {}
