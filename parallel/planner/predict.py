@@ -15,7 +15,7 @@ from .comm import micro_count
 from .step_time import (a2a_by_node, a2a_overlap_degree, comm_seconds, expert_gemm_slowdown,
                         exposed_a2a_seconds, fp8_gemm_time, hideable_seconds, host_seconds,
                         node_size, paired_shares, pipeline_pairing, predicted_hidden,
-                        stage_seconds, wire_bytes)
+                        stage_breakdown, stage_seconds, wire_bytes)
 
 
 @dataclass
@@ -36,6 +36,7 @@ class StagePrediction:
     a2a_exposed_s: float = 0.0  # the expert all-to-all's seconds not hidden (lower bound)
     membound_bytes: float = 0.0  # non-GEMM bytes of the step (traced_bytes.py), None: not traced
     membound_s: float = 0.0    # those bytes at the HBM bandwidth (in step_s, on the compute stream)
+    breakdown_s: dict = field(default_factory=dict)  # step_s by part (step_time.stage_breakdown)
 
 
 @dataclass
@@ -157,9 +158,9 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         membound = rank_bytes(sb, w, plan, state, micro_seqs(w, plan), m) if sb else None
         membound_s = membound / (hw.hbm_tbs * 1e12) if membound else 0.0
         timed += membound_s * hw.tflops * 1e12  # memory-bound kernels hold the compute stream
-        step_s = stage_seconds(timed, comm_s, out.bubble, hw, predicted_hidden(hidden, plan),
-                               pipeline_pairing(plan, m, timed, comm_s, hw,
-                                                sum(map(w.is_moe_block, state.block_ids))))
+        timing = (timed, comm_s, out.bubble, hw, predicted_hidden(hidden, plan),
+                  pipeline_pairing(plan, m, timed, comm_s, hw, sum(map(w.is_moe_block, state.block_ids))))
+        step_s = stage_seconds(*timing)
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
@@ -167,7 +168,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             # the bound never above the prediction (a simulated pairing may gain more)
             min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden),
-            membound, membound_s))
+            membound, membound_s, stage_breakdown(timed, membound_s, *timing[1:])))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

@@ -6,6 +6,7 @@ from collections import defaultdict
 from .enumerate import layouts, rejection
 from .predict import predict
 from .memory import async_save_host_bytes
+from .step_time import TERM_EVIDENCE
 
 GB, MB = 1e9, 1e6
 BUILD_ERRORS = (ValueError, NotImplementedError, TypeError)
@@ -148,6 +149,7 @@ def pred_dict(p) -> dict:
                        "step_s": s.step_s, "step_s_min": s.step_s_min,
                        "a2a_exposed_s": s.a2a_exposed_s,
                        "membound_bytes": s.membound_bytes, "membound_s": s.membound_s,
+                       "breakdown_s": s.breakdown_s,
                        "async_save_host_bytes": async_save_host_bytes(s.model_state)}
                       for s in p.stages]}
 
@@ -164,6 +166,26 @@ def as_json(result: dict, world: int, hw) -> dict:
             "fits": [pred_dict(p) for p in result["fits"]],
             "too_big": [pred_dict(p) for p in result["too_big"]],
             "invalid": [{"layout": _plan_dict(plan), "reason": r} for plan, r in result["invalid"]]}
+
+
+def time_breakdown(p) -> list:
+    """--layout's lines: each stage's predicted step by part (step_time.stage_breakdown), the
+    part that weighs most on the slowest stage, and where each part comes from."""
+    lines = ["", "step time per pipeline stage, ms (the parts sum to the stage's step; the "
+                 "slowest stage is the step; negative: a gain):"]
+    for i, st in enumerate(p.stages):
+        parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in st.breakdown_s.items())
+        lines.append(f"  stage {i}: {parts} = {st.step_s * 1e3:.1f}")
+    slowest = max(p.stages, key=lambda st: st.step_s, default=None)
+    if slowest is None or not slowest.breakdown_s or slowest.step_s <= 0:
+        return lines
+    part, sec = max(slowest.breakdown_s.items(), key=lambda kv: abs(kv[1]))
+    lines.append(f"  the largest part of the slowest stage: {part}, {sec / slowest.step_s:.0%} of "
+                 f"the step")
+    used = {k for st in p.stages for k in st.breakdown_s}
+    lines += ["where each part comes from:"] + [f"  {k}: {TERM_EVIDENCE[k]}"
+                                               for k in TERM_EVIDENCE if k in used]
+    return lines
 
 
 def layout_report(pred, memory: list, found: list, hw) -> str:
@@ -191,6 +213,7 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
               f"overlap hiding all it can), "
               f"bubble {p.bubble:.2f}, {p.tokens_per_s:.4g} tokens/s, "
               f"{p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {_mfu(p)}",
+              *time_breakdown(p),
               "checkpoint save: each rank writes its own slices and shards (nothing gathered; "
               "one tensor at a time through host memory); checkpoint.async stages "
               f"{max(async_save_host_bytes(st.model_state) for st in p.stages) / GB:.2f} GB "

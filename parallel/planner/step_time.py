@@ -60,7 +60,8 @@ from .hardware import GEMM_EFFICIENCY, Hardware, call_seconds, gemm_efficiency
 from .memory import micro_seqs
 
 INSIDE_STEP = {"tensor_parallel", "tensor_parallel_row", "tensor_parallel_col",
-               "expert_all_to_all", "expert_tensor_parallel", "pipeline"}
+               "tensor_parallel_depth", "context_parallel", "expert_all_to_all",
+               "expert_tensor_parallel", "pipeline"}
 _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
          "scatter": lambda P: (P - 1) / P, "a2a": lambda P: (P - 1) / P, "p2p": lambda P: 1.0,
          "across": lambda P: 1.0}   # an all-to-all's bytes to other nodes (expert_nodes.py)
@@ -132,6 +133,61 @@ def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidde
     inside = sum(v for k, v in exposed.items() if k in INSIDE_STEP)
     after = sum(v for k, v in exposed.items() if k not in INSIDE_STEP)
     return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) * pipelined + after
+
+
+def stage_breakdown(flops: float, membound_s: float, comm_s: dict, bubble: float, hw: Hardware,
+                    hidden=None, pipelined: float = 1.0) -> dict:
+    """stage_seconds' same arguments (and the memory-bound seconds inside `flops`), split into
+    what the stage spends its time on; the parts sum to stage_seconds:
+      gemm, memory_bound    the compute stream: GEMMs by shape, the traced non-GEMM bytes
+      overlap_excess        hidden traffic that outlasts the compute it hides behind
+      <inside kinds>        exposed communication inside the micro-batch work
+      bubble                the pipeline bubble's stretch of all of the above
+      pp_pairing            the 1f1b pairs' simulated effect on it (negative: a gain)
+      <after kinds>         exposed communication after the micro-batches (dp/ZeRO, host)"""
+    hidden = hidden or {}
+    exposed = {k: v - hidden.get(k, 0.0) for k, v in comm_s.items()}
+    t_compute = flops / (hw.tflops * 1e12)
+    out = {"gemm": t_compute - membound_s, "memory_bound": membound_s,
+           "overlap_excess": max(t_compute, sum(hidden.values())) - t_compute}
+    out.update((k, v) for k, v in sorted(exposed.items()) if k in INSIDE_STEP)
+    work = sum(out.values())
+    out["bubble"] = work * (1.0 / (1.0 - bubble) - 1.0)
+    out["pp_pairing"] = work / (1.0 - bubble) * (pipelined - 1.0)
+    out.update((k, v) for k, v in sorted(exposed.items()) if k not in INSIDE_STEP)
+    return {k: v for k, v in out.items() if v}
+
+
+# where each part of stage_breakdown comes from, and which are guesses (`--layout` prints it)
+TERM_EVIDENCE = {
+    "gemm": "FLOPs at the preset's peak x 0.70 (bench/gemm_efficiency.py, H200: 8192^3 bf16 "
+            "at 77%), expert GEMMs by their per-expert shape (hardware.gemm_efficiency)",
+    "memory_bound": "non-GEMM bytes traced from the model's own ops (traced_bytes.py, equal to "
+                    "the op census) at the data-sheet HBM bandwidth; the bandwidth eager kernels "
+                    "reach is a guess (H200: eager MoE step 1.31x predicted, compiled 0.97x)",
+    "overlap_excess": "the overlapped traffic's seconds beyond the compute they hide behind",
+    "tensor_parallel": "NCCL's ring cost model (tuning.cc) at nccl-tests' bus bandwidths "
+                       "(nccl-tests#212, #290), calls and bytes from the ledger; never overlapped",
+    "context_parallel": "as tensor_parallel (ring attention's K/V sends); never overlapped",
+    "expert_all_to_all": "one pairwise step at the bus bandwidth (NVLink; one NIC per GPU across "
+                         "nodes, nccl-tests#267) with NCCL's latency model; a guess for the "
+                         "all-to-all's efficiency by message size (no measured curve)",
+    "expert_tensor_parallel": "as tensor_parallel",
+    "pipeline": "send/recv at the link's bus bandwidth; not overlapped with compute (a guess: "
+                "Megatron overlaps its p2p)",
+    "bubble": "the schedule's bubble fraction (parallel/pipeline/schedules.py) for stages of "
+              "equal cost; a guess where the first and last stages differ",
+    "pp_pairing": "the 1f1b pairs simulated at this stage's costs (parallel/pipeline/simulate.py)",
+    "dp_grad_reduce": "ring all-reduce after the last backward (moekit does not overlap it)",
+    "zero_param_gather": "ring all-gather; hidden behind compute only in the lower bound",
+    "zero_grad_reduce_scatter": "ring reduce-scatter; hidden only in the lower bound",
+    "host_offload": "PCIe x16 per direction x 0.80 (a guess)",
+    "tied_embedding": "ring all-reduce of the tied embedding's gradient between its stages",
+    "muon_orthogonalise": "Muon's gathers and scatters of matrix pieces, NCCL's cost model",
+    "other": "small collectives (gradient norm, loss), NCCL's latency model",
+}
+for _grid in ("tensor_parallel_row", "tensor_parallel_col", "tensor_parallel_depth"):
+    TERM_EVIDENCE[_grid] = TERM_EVIDENCE["tensor_parallel"]
 
 
 def pipeline_pairing(plan, microbatches: int, flops: float, comm_s: dict, hw: Hardware,

@@ -2,6 +2,7 @@
 (Predictions against measured runs: tests/e2e/test_planner_validation.py.)"""
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from parallel.ledger import KINDS
 from commands.plan import main
 from parallel.pipeline.schedules import bubble_fraction, in_flight
+from parallel.planner.step_time import TERM_EVIDENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -33,6 +35,11 @@ def test_cli_json_on_every_config(config, capsys):
         for r in p["ranks"]:
             assert set(r["comm_bytes"]) <= set(KINDS)
             assert r["model_state_bytes"]["params"]["gpu"] > 0
+            # the stage's step by part (step_time.stage_breakdown): the parts sum to it, and
+            # --layout can say where each comes from
+            parts = r["breakdown_s"]
+            assert abs(sum(parts.values()) - r["step_s"]) <= 1e-9 * r["step_s"], (parts, r["step_s"])
+            assert set(parts) <= set(TERM_EVIDENCE) and parts["gemm"] > 0
     for bad in out["invalid"]:
         assert bad["reason"]
 
@@ -263,3 +270,23 @@ def test_a_misspelt_layout_word_gets_one_line_with_a_suggestion(word, hint):
     with pytest.raises(ValueError) as err:
         parse_layout("dp2 foo", ParallelPlan(), 8)
     assert "did you mean" not in str(err.value)
+
+
+def test_layout_shows_each_stage_step_by_part(capsys):
+    """--layout on a preset: each stage's step split into parts that add up to it (GEMMs,
+    memory-bound work, each exposed communication, the bubble), the part that weighs most
+    on the slowest stage, and where each part's numbers come from (issue 61)."""
+    cfg = ROOT / "configs" / "default.toml"
+    assert main(["--config", str(cfg), "--world", "8", "--hw", "h100", "--layout",
+                 "dp4 pp2 ep4 m4", "parallel.precision=bf16"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    stages = [ln for ln in lines if re.match(r"  stage \d+: ", ln)]
+    assert len(stages) == 2, text
+    for ln in stages:
+        parts = dict(p.rsplit(" ", 1) for p in ln.split(": ", 1)[1].split(" = ")[0].split(", "))
+        total = float(ln.rsplit(" = ", 1)[1])
+        assert {"gemm", "memory_bound", "bubble", "expert_all_to_all"} <= set(parts), ln
+        assert abs(sum(map(float, parts.values())) - total) <= 0.05 * len(parts) + 0.05, ln
+    assert any(ln.startswith("  the largest part of the slowest stage: ") for ln in lines)
+    assert "  bubble: the schedule's bubble fraction" in text
