@@ -170,10 +170,13 @@ class ModelConfig:
 
     def attention_saved_width(self) -> int:
         """Elements per token attention saves for backward beyond its input: query, key and
-        value heads (keys/values repeated to every query head), the core's output, and the
-        latents of mla."""
+        value heads, the core's output, and the latents of mla. Grouped-query attention
+        keeps one key and value head per kv head where the flash kernel reads the groups
+        (models/layers.py flash_reads_kv_groups: causal attention without an additive mask,
+        the GPT blocks); the T5 blocks' position bias makes them repeated to every query head."""
         H = self.n_heads
-        core = H * (2 * self.qk_dim + 2 * self.v_dim)
+        kv = self.kv_heads if self.arch == "gpt" else H
+        core = (H + kv) * (self.qk_dim + self.v_dim)
         if self.attention == "mla":
             core += self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim
         return core

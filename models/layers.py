@@ -141,7 +141,7 @@ class Attention(nn.Module):
         cos = sin = None
         if self.rope_theta is not None:
             cos, sin = rope_cos_sin(x_BSD.shape[1], self.rope_dim, self.rope_theta, x_BSD.device)
-        q, k, v = self.qkv(x_BSD, kv_BLD, cos, sin)
+        q, k, v = self.qkv(x_BSD, kv_BLD, cos, sin, repeat=False)  # core() repeats if it must
         mask = None
         if bias_1HSL is not None:
             mask = bias_1HSL.to(q.dtype)
@@ -154,9 +154,17 @@ class Attention(nn.Module):
 
     def core(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
         """The attention core, softmax(q k^T / sqrt(d) + mask) v with dropout: what
-        parallel.recompute_modules=core_attn recomputes in backward."""
+        parallel.recompute_modules=core_attn recomputes in backward. k, v may hold one head
+        per kv head (grouped-query attention): a flash kernel reads each for its query heads,
+        so nothing is repeated and the kernel saves them as they are (1/groups of the
+        repeated bytes); elsewhere they are repeated first."""
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+        grouped = k.shape[1] != q.shape[1]
+        if grouped and not flash_reads_kv_groups(q, mask):
+            k, v = self.repeat_kv(k, v)
+            grouped = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal,
+                                              enable_gqa=grouped)
 
     def _cached(self, x_BSD, cache):
         """Causal self-attention of S new tokens at positions [P, P+S) after P cached ones."""
@@ -227,6 +235,20 @@ class LatentAttention(Attention):
         latents and the projections are then not kept)."""
         q_lin = self.wq_b(self.q_a_norm(q_in)) if self.q_lora else self.wq(q_in)
         return q_lin, self.wkv_b(self.kv_norm(latent_C))
+
+
+def flash_reads_kv_groups(q: torch.Tensor, mask) -> bool:
+    """Whether scaled_dot_product_attention's flash kernel runs grouped-query attention
+    (enable_gqa) for these inputs, with no repeated keys and values: without an additive
+    mask, on the CPU's flash kernel (measured equal to the repeated form) and on CUDA's for
+    bf16/fp16 with a head dim of at most 256 (the memory-efficient and cuDNN kernels take no
+    groups, and torch's fallback then is the quadratic-memory math kernel, so any other
+    case repeats them instead). Static facts only: it traces under torch.compile."""
+    if mask is not None:
+        return False
+    if q.device.type == "cpu":
+        return True
+    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
 def make_attention(m, out_std: float) -> nn.Module:
