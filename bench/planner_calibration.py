@@ -76,6 +76,13 @@ RUNS = [
      14.8e12 / (2.664e6 * 3600), "tokens/s", ""),
 ]
 
+# Published peak memory (GB = 1e9 bytes) where the publisher gives one for the row's layout:
+# Megatron-Bridge's Qwen3-30B-A3B 16 x H100 EP16 MBS1 seq 4096 bf16 recipe, "rank-0 peak
+# allocated memory: 62.166 GiB" (HybridEP; skills/nemo-mbridge-perf-moe-hardware-configs), and
+# 61.351 GB with the alltoall dispatcher (docs/training/moe-optimization.md, a 5-step smoke run)
+PUBLISHED_PEAK_GB = {"Qwen3-30B-A3B, a2a overlap off": 61.351,
+                     "Qwen3-30B-A3B, a2a overlap on": 62.166 * 2 ** 30 / 1e9}
+
 
 def check(config: str, world: int, layout: str, overrides: list) -> dict:
     hw = next((o[len(HW):] for o in overrides if o.startswith(HW)), "h100")
@@ -93,7 +100,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message=r"MoELayer\(force_balance=True\)")  # the NeMo runs'
     print(f"{'run':36s} {'GPUs':>5s}  {'layout':44s} {'published':>10s} {'predicted':>10s}  "
           f"pred/pub  {'bound':>6s}  fits (peak GB)  differs")
-    gains = {}
+    gains, parts = {}, []
     for name, config, world, layout, overrides, published, unit, differs in RUNS:
         pred = check(config, world, layout, overrides)
         overlap = OVERLAP[0] in overrides
@@ -106,6 +113,7 @@ def main() -> int:
         print(f"{name:36s} {world:>5d}  {layout:44s} {pub:>10.0f} {got:>10.0f}  {got / pub:8.2f}"
               f"  {bound / pub:6.2f}  {'yes' if pred['fits'] else 'no':>4s} ({pred['peak_bytes'] / 1e9:6.1f})"
               f"  {differs}")
+        parts.append((name, pred))
         if "overlap o" in name:  # the pairs measured with and without the overlap
             gains.setdefault(name.split(",")[0], {})["overlap on" in name] = (got, pub)
     print("tokens/s per GPU; the overlap's gain (on / off - 1), predicted vs published:")
@@ -113,6 +121,17 @@ def main() -> int:
         if len(g) == 2:
             pred_gain, pub_gain = g[True][0] / g[False][0] - 1, g[True][1] / g[False][1] - 1
             print(f"  {model}: predicted {pred_gain:+.1%}, published {pub_gain:+.1%}")
+    print("peak memory, predicted vs published (GB), where the publisher gives one:")
+    for name, pred in parts:
+        if name in PUBLISHED_PEAK_GB:
+            pub = PUBLISHED_PEAK_GB[name]
+            print(f"  {name}: {pred['peak_bytes'] / 1e9:.1f} vs {pub:.1f} ({pred['peak_bytes'] / 1e9 / pub:.2f}x)")
+    print("the slowest stage's predicted step by part, % (parts of 3% or more; the first weighs most):")
+    for name, pred in parts:
+        stage = max(pred["ranks"], key=lambda r: r["step_s"])
+        shares = sorted(((v / stage["step_s"], k) for k, v in stage["breakdown_s"].items()),
+                        key=lambda kv: -abs(kv[0]))
+        print(f"  {name}: " + ", ".join(f"{k} {f:.0%}" for f, k in shares if abs(f) >= 0.03))
     return 0
 
 

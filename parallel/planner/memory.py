@@ -148,9 +148,17 @@ def async_save_host_bytes(model_state_bytes: dict) -> int:
 # ---------------------------------------------------------------- activations
 def block_act_elems(w, i: int, stream: str, plan) -> float:
     """Saved elements per token of block i (activation dtype; router fp32 in the MoE term)."""
+    return sum(block_act_terms(w, i, stream, plan).values())
+
+
+def block_act_terms(w, i: int, stream: str, plan) -> dict:
+    """block_act_elems by what holds them: {term: elements per token} (the module docstring's
+    list; `--layout` prints them for a stage's first MoE block)."""
     m, a = w.model_cfg, act_bytes(plan.precision)
     D = m.d_model
-    out = 4 * D + m.attention_saved_width() + (5 * D if stream == "decoder" and "encoder" in w.stream_tokens else 0)
+    out = {"norms (inputs, outputs)": 4 * D, "attention (q, k, v, output)": m.attention_saved_width()}
+    if stream == "decoder" and "encoder" in w.stream_tokens:
+        out["cross-attention"] = 5 * D
     if w.is_moe_block(i):
         moe = w.moe_cfg
         r = w.imbalance if plan.ep > 1 else 1.0
@@ -160,13 +168,27 @@ def block_act_elems(w, i: int, stream: str, plan) -> float:
         # per routed row: the experts' input D (the grouped FFN's saved x) and output D (the
         # weighted combine's saved y), and the expert's hidden; under etp each rank holds the
         # etp rows of its group (etp x D) with 1/etp of the hidden each
-        out += 2 * D + 2 * moe.num_experts * 4 / a + r * moe.top_k * ((1 + plan.etp) * D + hidden)
-        out += (3 if w.gated else 2) * _shared_d_ff(w)
+        out["moe input, output"] = 2 * D
+        out["router (fp32 logits, probabilities)"] = 2 * moe.num_experts * 4 / a
+        out["expert rows in"] = r * moe.top_k * D
+        out["combine's saved expert outputs"] = r * moe.top_k * plan.etp * D
+        out["expert hidden"] = r * moe.top_k * hidden
+        if _shared_d_ff(w):
+            out["shared experts' hidden"] = (3 if w.gated else 2) * _shared_d_ff(w)
     else:
-        out += 2 * D + (3 if w.gated else 2) * m.d_ff
+        out["ffn input, output"] = 2 * D
+        out["ffn hidden"] = (3 if w.gated else 2) * m.d_ff
     if a != 4:  # autocast: the residual stream stays fp32 (the embedding's output plus fp32
-        out += 2 * D * (4 / a - 1)  # sums), so each block's two norms keep fp32 inputs
+        out["fp32 residual under autocast"] = 2 * D * (4 / a - 1)  # sums): fp32 norm inputs
     return out
+
+
+def first_block_terms(w, plan, state) -> dict:
+    """block_act_terms of the stage's first MoE block (its first block when none is MoE;
+    {} for a stage without blocks), of the decoder stream."""
+    blocks = list(w.blocks_on(state, plan))
+    pick = next((i for i in blocks if w.is_moe_block(i)), blocks[0] if blocks else None)
+    return {} if pick is None else block_act_terms(w, pick, "decoder", plan)
 
 
 def _shared_d_ff(w) -> int:

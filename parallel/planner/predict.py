@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
 from .flops import model_flops, rank_flops
-from .memory import activations, micro_seqs, model_state, peak_bytes
+from .memory import activations, first_block_terms, micro_seqs, model_state, peak_bytes
 from .rank_state import read_rank_state, with_cp
 from .traced_bytes import rank_bytes, step_bytes
 from ..pipeline.schedules import bubble_fraction
@@ -37,6 +37,8 @@ class StagePrediction:
     membound_bytes: float = 0.0  # non-GEMM bytes of the step (traced_bytes.py), None: not traced
     membound_s: float = 0.0    # those bytes at the HBM bandwidth (in step_s, on the compute stream)
     breakdown_s: dict = field(default_factory=dict)  # step_s by part (step_time.stage_breakdown)
+    act_terms: dict = field(default_factory=dict)  # {term: elements per token} of the stage's
+    # first MoE block (else its first block), before recomputation (memory.block_act_terms)
 
 
 @dataclass
@@ -168,7 +170,8 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             # the bound never above the prediction (a simulated pairing may gain more)
             min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden),
-            membound, membound_s, stage_breakdown(timed, membound_s, *timing[1:])))
+            membound, membound_s, stage_breakdown(timed, membound_s, *timing[1:]),
+            first_block_terms(w, plan, state)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

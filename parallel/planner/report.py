@@ -149,7 +149,7 @@ def pred_dict(p) -> dict:
                        "step_s": s.step_s, "step_s_min": s.step_s_min,
                        "a2a_exposed_s": s.a2a_exposed_s,
                        "membound_bytes": s.membound_bytes, "membound_s": s.membound_s,
-                       "breakdown_s": s.breakdown_s,
+                       "breakdown_s": s.breakdown_s, "activation_terms_per_token": s.act_terms,
                        "async_save_host_bytes": async_save_host_bytes(s.model_state)}
                       for s in p.stages]}
 
@@ -204,6 +204,13 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
                      f"{g['optimizer'] / GB:>8.2f} {g['activations'] / GB:>8.2f} "
                      f"{g['buffers'] / GB:>8.2f} {st.memory['peak'] / GB:>8.2f}   "
                      f"{c['params'] / GB:.2f}/{c['grads'] / GB:.2f}/{c['optimizer'] / GB:.2f}")
+    terms = p.stages[0].act_terms if p.stages else {}
+    if terms:
+        lines += ["", "saved for backward per token of stage 0's first MoE block (else its first "
+                      "block), elements, before recomputation (x bytes per element x tokens per "
+                      "micro-batch-chunk, divided by tp and cp):",
+                  "  " + ", ".join(f"{k} {v:.0f}" for k, v in terms.items())
+                  + f" = {sum(terms.values()):.0f}"]
     comm = comm_by_kind(p)
     lines += ["", "bytes per step by kind (busiest stage), MB: "
               + (", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(comm.items())) or "none"),
