@@ -45,6 +45,12 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     (2, {"dp": 2, "zero": 3}),
     (2, {"dp": 1, "tp": 2}),
     (2, {"dp": 1, "pp": 2, "microbatches": 4, "pp_schedule": "1f1b"}),
+    # the published runs' forms (issue 61): pp2 with two virtual stages per rank at micro-batch 1
+    # (interleaved 1F1B: 2(pp-1) + (v-1)pp + 1 = 5 chunks in flight on rank 0, Megatron's count),
+    # and selective recomputation under tensor (sequence) parallelism
+    (2, {"dp": 1, "pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2,
+         "microbatches": 8}),
+    (2, {"dp": 1, "tp": 2, "recompute": "selective", "recompute_modules": "moe_act,experts,core_attn"}),
     (4, {"dp": 2, "tp": 2, "ep": 2, "zero": 2}),
     (8, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "zero": 1, "microbatches": 2}),
     (2, {"dp": 2, "zero": 3, "recompute": "full"}, SWITCH),  # encoder-decoder, span corruption
