@@ -35,6 +35,7 @@ the forward builds: i+1 is ahead by the blocks up to its first MoE one (measured
 6 MoE blocks: +0.2 of a micro-batch's activations, not +1; parallel/planner/memory.py).
 """
 import contextlib
+import functools
 import threading
 import time
 
@@ -142,17 +143,23 @@ class Baton:
         if errors:
             raise errors[0]
 
-    def take(self) -> dict:
-        """The step's figures (and reset): on CUDA this waits for the step's last exchange."""
-        exposed = self.exposed_s + sum(a.elapsed_time(b) for a, b in self._ended()) / 1e3
-        out = {"a2a_exposed_s": exposed, "a2a_waits": self.waits, "a2a_handed": self.handed}
+    def take(self, wait: bool = True) -> dict:
+        """The step's figures (and reset). On CUDA the exposed seconds are read from events:
+        wait=True waits for the step's last exchange to give them; wait=False leaves them on
+        the device, a2a_exposed_s then a function that reads them later (train.step_checks=
+        device reads it with the step's other held values)."""
+        host_s, stalls = self.exposed_s, self.stalls
+        out = {"a2a_waits": self.waits, "a2a_handed": self.handed}
         self.exposed_s, self.waits, self.handed, self.stalls = 0.0, 0, 0, []
+        out["a2a_exposed_s"] = _exposed(host_s, stalls) if wait else functools.partial(_exposed, host_s, stalls)
         return out
 
-    def _ended(self) -> list:
-        if self.stalls:
-            self.stalls[-1][1].synchronize()
-        return self.stalls
+
+def _exposed(host_s: float, stalls: list) -> float:
+    """Seconds waited: the host's (gloo) plus the stream's stalls between (start, end) events."""
+    if stalls:
+        stalls[-1][1].synchronize()
+    return host_s + sum(a.elapsed_time(b) for a, b in stalls) / 1e3
 
 
 def _rng_state() -> tuple:

@@ -62,7 +62,7 @@ class Plain:
                 tr.sched.step()
                 par.update_router_bias(tr.cfg.moe.bias_update_rate)
         if par.baton is not None:  # a2a_exposed_s: seconds this step's exchanges were waited for
-            rec.update(par.baton.take())
+            rec.update(par.baton.take(wait=tr.checks is None))  # device checks: read later
         if n == tr.first_step:  # what this rank holds, by device, read from the tensors
             rec["model_state_bytes"] = model_state_bytes(tr.model, par.grads(), tr.optimizer)
         if peak is not None:

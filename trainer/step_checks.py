@@ -106,6 +106,9 @@ class DeviceChecks:
         seconds = (now - self.since) / max(1, len(self.held))
         out = []
         for (n, rec, _), (loss, aux, norm, skipped) in zip(self.held, values):
+            for k, v in rec.items():  # figures left on the device (interleave.Baton.take)
+                if callable(v):
+                    rec[k] = v()
             out.append((n, rec, loss, aux, norm, bool(skipped), sched.get_last_lr(), seconds))
             if not skipped:
                 sched.step()
