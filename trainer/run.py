@@ -208,6 +208,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
         _announce(log, cfg, ctx, plan, described, data_dir, train_file, resume_from)
         if ctx.is_main:
             _record_nodes(log, run_dir, nodes, start)
+        device_checks = DeviceChecks(ctx, ctx.device, _host_group(ctx)) if checks == "device" else None
         trainer = Trainer(cfg, ctx, par, optimizer, sched, scaler, sampler,
                           (train_file, val_file), log,
                           Task(arch, cfg.train.seed, cfg.model.vocab_size, cfg.data, ctx.device,
@@ -215,7 +216,7 @@ def _train(cfg, ctx, plan, resume_from) -> int:
                           execution_for(par, ps), first_step=start + 1, stop_request=stop_request,
                           step_flops=flops, plan_check=check, replay=replay,
                           save_group=_save_group(cfg, ctx),
-                          checks=DeviceChecks(ctx, ctx.device) if checks == "device" else None)
+                          checks=device_checks)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 trainer.step(step)
@@ -248,6 +249,15 @@ def _save_group(cfg, ctx):
         return None
     if not ctx.distributed:
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def _host_group(ctx):
+    """train.step_checks=device under several processes: a gloo group of every rank for its
+    per-step SIGTERM agreement between the hosts (step_checks.DeviceChecks.stop_agreed);
+    None where the default group is gloo already."""
+    if not ctx.distributed or ctx.backend == "gloo":
         return None
     return dist.new_group(backend="gloo")
 

@@ -13,7 +13,8 @@ each step's verdict (a non-finite loss or gradient norm on any rank) stays a dev
   - the router bias moves only for a step taken (Router.update_selection_bias(applied=...)).
 The Trainer holds each step's record beside its device values [loss, aux, norm, skipped]; `read`
 fetches all of them in one copy (one wait), advances the schedule by the steps taken, and
-returns them in step order. A SIGTERM is agreed on at the same reads.
+returns them in step order. A SIGTERM is agreed on every step between the hosts (gloo, no
+device wait) and makes that step a read.
 """
 import time
 
@@ -45,8 +46,9 @@ def resolve_step_checks(cfg, plan, optimizer, device: torch.device) -> str:
 class DeviceChecks:
     """The held steps since the last read and the device's count of skips among them."""
 
-    def __init__(self, ctx, device: torch.device):
+    def __init__(self, ctx, device: torch.device, host_group=None):
         self.ctx, self.device = ctx, device
+        self.host_group = host_group  # gloo group for stop_agreed (None: the default group)
         self.held = []  # (step, record, values [loss, aux, norm, skipped] on the device)
         self.skips = torch.zeros((), dtype=torch.long, device=device)  # among self.held
         self.since = time.perf_counter()  # the first held step's start: they share the time since
@@ -98,9 +100,19 @@ class DeviceChecks:
         self.held.append((n, rec, values))
         self.skips += skipped.long()
 
-    def read(self, sched, stop_requested: bool) -> tuple:
-        """([(step, record, loss, aux, norm, skipped, lr, seconds)] in step order, stop) after
-        one read of the device; the schedule advances by the steps taken."""
+    def stop_agreed(self, requested: bool) -> bool:
+        """Whether any rank has seen a SIGTERM, agreed every step between the hosts (a CPU
+        tensor over a gloo group: nothing waits for the device), so that every rank reads
+        its held steps and stops at the same step, however long log.every's steps take."""
+        if not self.ctx.distributed:
+            return requested
+        flag = torch.tensor([1 if requested else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
+        return bool(flag[0])
+
+    def read(self, sched) -> list:
+        """[(step, record, loss, aux, norm, skipped, lr, seconds)] in step order, after one
+        read of the device; the schedule advances by the steps taken."""
         values = torch.stack([v for _, _, v in self.held]).tolist() if self.held else []
         now = time.perf_counter()
         seconds = (now - self.since) / max(1, len(self.held))
@@ -114,8 +126,4 @@ class DeviceChecks:
                 sched.step()
         self.held, self.since = [], now
         self.skips.zero_()
-        stop = stop_requested
-        if self.ctx.distributed:
-            from .distributed import any_rank
-            stop = any_rank(self.ctx, [stop_requested])[0]
-        return out, stop
+        return out

@@ -61,7 +61,7 @@ class Trainer:
         """Train step n, log it, then whatever is due after it (evaluation, MoE statistics,
         profile, checkpoint) and a SIGTERM stop. Under train.step_checks=device the step's
         record waits, with its device values, for the next read (step_checks.py): a log
-        line, an evaluation, a checkpoint, a profile or the end."""
+        line, an evaluation, a checkpoint, a profile, a SIGTERM or the end."""
         t0 = time.perf_counter()
         scale = self.scaler.scale_value if self.scaler is not None else 1.0
         lr = self.sched.get_last_lr()
@@ -75,10 +75,9 @@ class Trainer:
             self._after_step(n, r.stats, r.stop)
             return
         self.checks.hold(n, rec, r.loss, r.aux, r.norm, r.skipped)
-        stop = False
-        if self._read_due(n):
-            held, stop = self.checks.read(self.sched, self.stop_request.requested)
-            for m, rec_m, loss, aux, norm, skipped, lr_m, dt in held:
+        stop = self.checks.stop_agreed(self.stop_request.requested)  # a SIGTERM reads now
+        if stop or self._read_due(n):
+            for m, rec_m, loss, aux, norm, skipped, lr_m, dt in self.checks.read(self.sched):
                 self._record(m, rec_m, loss, aux, norm, "diverged" if skipped else False, lr_m, dt)
         self._after_step(n, r.stats, stop)
 
