@@ -142,11 +142,14 @@ def all_agree(ctx: DistContext, ok: bool) -> bool:
     return int(flag.item()) == 0
 
 
-def any_rank(ctx: DistContext, flags: list) -> list:
+def any_rank(ctx: DistContext, flags: list, host_group=None) -> list:
     """Each flag True if it is True on any rank: one small all-reduce, so every rank takes the
-    same branch (skip a step, stop) whatever it saw locally."""
+    same branch (skip a step, stop) whatever it saw locally. host_group: a gloo group over
+    which the flags go as a CPU tensor, between the hosts only (nothing waits for the device);
+    None: the default group, on the run's device."""
     if not ctx.distributed:
         return [bool(f) for f in flags]
-    t = torch.tensor([1 if f else 0 for f in flags], device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    device = "cpu" if host_group is not None else ctx.device
+    t = torch.tensor([1 if f else 0 for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group)
     return [bool(v) for v in t.tolist()]

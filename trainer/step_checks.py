@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .config import step_checks_blocker
+from .distributed import any_rank
 
 __all__ = ["DeviceChecks", "resolve_step_checks"]
 
@@ -48,7 +49,7 @@ class DeviceChecks:
 
     def __init__(self, ctx, device: torch.device, host_group=None):
         self.ctx, self.device = ctx, device
-        self.host_group = host_group  # gloo group for stop_agreed (None: the default group)
+        self.host_group = host_group  # gloo group for stop_agreed (None: gloo is the default group)
         self.held = []  # (step, record, values [loss, aux, norm, skipped] on the device)
         self.skips = torch.zeros((), dtype=torch.long, device=device)  # among self.held
         self.since = time.perf_counter()  # the first held step's start: they share the time since
@@ -104,11 +105,7 @@ class DeviceChecks:
         """Whether any rank has seen a SIGTERM, agreed every step between the hosts (a CPU
         tensor over a gloo group: nothing waits for the device), so that every rank reads
         its held steps and stops at the same step, however long log.every's steps take."""
-        if not self.ctx.distributed:
-            return requested
-        flag = torch.tensor([1 if requested else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
-        return bool(flag[0])
+        return any_rank(self.ctx, [requested], self.host_group)[0]
 
     def read(self, sched) -> list:
         """[(step, record, loss, aux, norm, skipped, lr, seconds)] in step order, after one
