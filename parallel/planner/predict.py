@@ -160,9 +160,11 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         membound = rank_bytes(sb, w, plan, state, micro_seqs(w, plan), m) if sb else None
         membound_s = membound / (hw.hbm_tbs * 1e12) if membound else 0.0
         timed += membound_s * hw.tflops * 1e12  # memory-bound kernels hold the compute stream
-        timing = (timed, comm_s, out.bubble, hw, predicted_hidden(hidden, plan),
-                  pipeline_pairing(plan, m, timed, comm_s, hw, sum(map(w.is_moe_block, state.block_ids))))
-        step_s = stage_seconds(*timing)
+        breakdown = stage_breakdown(timed, membound_s, comm_s, out.bubble, hw,
+                                    predicted_hidden(hidden, plan),
+                                    pipeline_pairing(plan, m, timed, comm_s, hw,
+                                                     sum(map(w.is_moe_block, state.block_ids))))
+        step_s = sum(breakdown.values())  # stage_seconds, by part
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
@@ -170,7 +172,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             # the bound never above the prediction (a simulated pairing may gain more)
             min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden),
-            membound, membound_s, stage_breakdown(timed, membound_s, *timing[1:]),
+            membound, membound_s, breakdown,
             first_block_terms(w, plan, state)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)

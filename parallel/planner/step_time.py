@@ -126,19 +126,17 @@ def stage_seconds(flops: float, comm_s: dict, bubble: float, hw: Hardware, hidde
                   pipelined: float = 1.0) -> float:
     """One stage's step time; hidden ({kind: seconds}, hideable_seconds) run under compute:
     none for the upper bound, hideable_seconds for the lower one. pipelined: what scales
-    the micro-batch work stretched by the bubble (pipeline_pairing)."""
-    hidden = hidden or {}
-    exposed = {k: v - hidden.get(k, 0.0) for k, v in comm_s.items()}
-    t_compute = flops / (hw.tflops * 1e12)
-    inside = sum(v for k, v in exposed.items() if k in INSIDE_STEP)
-    after = sum(v for k, v in exposed.items() if k not in INSIDE_STEP)
-    return (max(t_compute, sum(hidden.values())) + inside) / (1.0 - bubble) * pipelined + after
+    the micro-batch work stretched by the bubble (pipeline_pairing): the sum of its parts,
+    stage_breakdown."""
+    return sum(stage_breakdown(flops, 0.0, comm_s, bubble, hw, hidden, pipelined).values())
 
 
 def stage_breakdown(flops: float, membound_s: float, comm_s: dict, bubble: float, hw: Hardware,
                     hidden=None, pipelined: float = 1.0) -> dict:
-    """stage_seconds' same arguments (and the memory-bound seconds inside `flops`), split into
-    what the stage spends its time on; the parts sum to stage_seconds:
+    """One stage's step time (stage_seconds' arguments, and the memory-bound seconds inside
+    `flops`) by what the stage spends it on; the step is (work of the micro-batches, the
+    compute or the traffic hidden under it, whichever is longer, plus the exposed in-step
+    traffic) / (1 - bubble) x pipelined + the exposed traffic after them, in parts:
       gemm, memory_bound    the compute stream: GEMMs by shape, the traced non-GEMM bytes
       overlap_excess        hidden traffic that outlasts the compute it hides behind
       <inside kinds>        exposed communication inside the micro-batch work
