@@ -20,5 +20,13 @@ def block_stacks(model: nn.Module) -> list:
 
 
 def blocks(model: nn.Module) -> list:
-    """Every transformer block of the model, in forward order (see block_stacks)."""
-    return [b for stack in block_stacks(model) for b in stack]
+    """Every transformer block of the model, in forward order (see block_stacks), then the
+    multi-token prediction depths' blocks (models/mtp.py): precision, recomputation, compile,
+    FSDP2 units and tensor/context parallelism treat them as the model's own."""
+    return [b for stack in block_stacks(model) for b in stack] + mtp_blocks(model)
+
+
+def mtp_blocks(model: nn.Module) -> list:
+    """The blocks of the model's MTP depths, [] without them."""
+    mtp = getattr(model, "mtp", None)
+    return [d.block for d in mtp] if isinstance(mtp, nn.ModuleList) else []

@@ -77,6 +77,8 @@ class ModelConfig:
     kv_lora_rank: int = _help(512, "mla: rank of the compressed key/value latent")
     qk_rope_head_dim: int = _help(64, "mla: rotary part of each query/key head (the key's is shared by all heads)")
     v_head_dim: int = _help(0, "mla: width of each value head; 0 = head_dim")
+    mtp_depth: int = _help(0, "gpt: multi-token prediction depths (DeepSeek-V3's MTP: depth k predicts the token k+1 ahead through a block of its own and the shared head); 0 = off")
+    mtp_loss_coef: float = _help(0.1, "weight of the MTP loss: mtp_loss_coef / mtp_depth x the sum of the depths' cross entropies, added to the main loss")
 
     def validate(self) -> "ModelConfig":
         s = "model"
@@ -95,7 +97,21 @@ class ModelConfig:
         for n in ("init_std", "norm_eps", "rope_theta"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"model.{n}={getattr(self, n)} must be > 0")
+        self._check_mtp()
         return self
+
+    def _check_mtp(self) -> None:
+        d = self.mtp_depth
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"model.mtp_depth={d!r} must be an integer >= 0 (0 = no multi-token prediction)")
+        if not self.mtp_loss_coef >= 0:
+            raise ValueError(f"model.mtp_loss_coef={self.mtp_loss_coef} must be >= 0")
+        if d and self.arch != "gpt":
+            raise ValueError(f"model.mtp_depth={d} is implemented for model.arch='gpt' only; "
+                             f"set model.mtp_depth=0")
+        if d and self.positions != "rope":
+            raise ValueError(f"model.mtp_depth={d} needs model.positions='rope' (the MTP embedding "
+                             f"of token i+k has no learned position of its own, as in Megatron-Core)")
 
     def _check_attention(self) -> None:
         for n in ("n_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",

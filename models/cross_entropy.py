@@ -10,7 +10,8 @@ logits and one fp32 log-sum-exp per row; it walks the rows in chunks of about CH
 fp32 in the forward (log-sum-exp and target logit) and again in the backward (softmax minus
 one-hot, in the logits' dtype), each chunk one fused op (ce_chunk, ce_chunk_grad_). Per row
 the arithmetic is the same fp32 arithmetic as torch's; only the order of the final sum over
-rows differs (fp32 rounding).
+rows differs (fp32 rounding). fp64 logits are handled in fp64 throughout (loss_dtype), so
+an fp64 proof stays fp64 up to its loss.
 """
 import torch
 
@@ -25,15 +26,20 @@ def chunk_rows(n_rows: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, min(n_rows, chunk_bytes // (4 * vocab)))
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision logits, fp64 for fp64 ones (an fp64 proof stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_forward(logits_RV, target_R, valid_R):
-    x_RV = logits_RV.float()
+    x_RV = logits_RV.to(loss_dtype(logits_RV.dtype))
     lse_R = torch.logsumexp(x_RV, dim=-1)
     picked_R = x_RV.gather(1, target_R.unsqueeze(1)).squeeze(1)
     return lse_R, torch.where(valid_R, lse_R - picked_R, 0.0).sum()
 
 
 def _chunk_backward(logits_RV, target_R, lse_R, scale_R, grad_RV):
-    p_RV = (logits_RV.float() - lse_R.unsqueeze(1)).exp()
+    p_RV = (logits_RV.to(lse_R.dtype) - lse_R.unsqueeze(1)).exp()
     p_RV = p_RV.scatter_add(1, target_R.unsqueeze(1), torch.full_like(lse_R, -1.0).unsqueeze(1))
     grad_RV.copy_(p_RV * scale_R.unsqueeze(1))
 
@@ -57,13 +63,13 @@ def ce_chunk_grad_(logits_RV: torch.Tensor, target_R: torch.Tensor, lse_R: torch
 
 @ce_chunk.register_fake
 def _(logits_RV, target_R, valid_R):
-    return logits_RV.new_empty(logits_RV.shape[0], dtype=torch.float32), \
-        logits_RV.new_empty((), dtype=torch.float32)
+    dtype = loss_dtype(logits_RV.dtype)
+    return logits_RV.new_empty(logits_RV.shape[0], dtype=dtype), logits_RV.new_empty((), dtype=dtype)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, labels_N, rows: int):
+    def forward(ctx, logits_NV, labels_N, rows: int, count=None):
         valid_N = labels_N != IGNORE
         target_N = labels_N.clamp_min(0)
         lse, total = [], []
@@ -71,7 +77,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse_R, total_R = ce_chunk(logits_NV[s:s + rows], target_N[s:s + rows], valid_N[s:s + rows])
             lse.append(lse_R)
             total.append(total_R)
-        count = valid_N.sum()
+        count = valid_N.sum() if count is None else count
         lse_N = lse[0] if len(lse) == 1 else torch.cat(lse)
         ctx.save_for_backward(logits_NV, target_N, valid_N, lse_N, count)
         ctx.rows = rows
@@ -86,12 +92,26 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for s in range(0, logits_NV.shape[0], rows):
             ce_chunk_grad_(logits_NV[s:s + rows], target_N[s:s + rows], lse_N[s:s + rows],
                            scale_N[s:s + rows], grad_NV[s:s + rows])
-        return grad_NV, None, None
+        return grad_NV, None, None, None
 
 
 def chunked_cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor,
-                          chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                          chunk_bytes: int = CHUNK_BYTES, count=None) -> torch.Tensor:
     """Mean cross entropy over labelled rows (label -100: ignored) in fp32, as
-    F.cross_entropy(logits_NV.float(), labels_N, ignore_index=-100) computes it."""
+    F.cross_entropy(logits_NV.float(), labels_N, ignore_index=-100) computes it; `count`
+    (a tensor): divide the rows' sum by it instead of by the labelled rows here."""
     rows = chunk_rows(logits_NV.shape[0], logits_NV.shape[-1], chunk_bytes)
-    return _ChunkedCrossEntropy.apply(logits_NV, labels_N, rows)
+    return _ChunkedCrossEntropy.apply(logits_NV, labels_N, rows, count)
+
+
+def mean_token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, count=None) -> torch.Tensor:
+    """Mean cross entropy over labelled positions (label -100 = ignored), in fp32, without an
+    fp32 copy of the whole logits; `count` as chunked_cross_entropy's."""
+    from torch.distributed.tensor import DTensor
+    V = logits_BSV.shape[-1]
+    if isinstance(logits_BSV, DTensor):  # a sharded vocabulary: torch's own loss handles it
+        import torch.nn.functional as F
+        total = F.cross_entropy(logits_BSV.to(loss_dtype(logits_BSV.dtype)).reshape(-1, V), labels_BS.reshape(-1),
+                                ignore_index=IGNORE, reduction="sum")
+        return total / ((labels_BS != IGNORE).sum() if count is None else count)
+    return chunked_cross_entropy(logits_BSV.reshape(-1, V), labels_BS.reshape(-1), count=count)

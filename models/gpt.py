@@ -3,14 +3,16 @@
 Shapes: B batch, S sequence, D model dim, V vocab.
 
 Structure (relied on by trainer and parallel/): tok_emb, pos_emb (None with RoPE), blocks
-(nn.ModuleList of Block: attn_norm, attn, ffn_norm, ffn), norm, lm_head. Any of tok_emb,
-norm, lm_head may be set to None by a pipeline split: forward then skips it, so a stage
-maps hidden states [B, S, D] to hidden states (or logits on the last stage).
+(nn.ModuleList of Block: attn_norm, attn, ffn_norm, ffn), norm, lm_head, and with
+model.mtp_depth > 0 mtp (nn.ModuleList of models/mtp.MTPDepth). Any of tok_emb, norm, lm_head
+may be set to None by a pipeline split: forward then skips it, so a stage maps hidden states
+[B, S, D] to hidden states (or logits on the last stage).
 """
 import torch
 import torch.nn as nn
 
 from .layers import Embedding, Linear, make_attention, make_ffn, make_norm, out_init_std
+from .mtp import MTPDepth, mtp_losses, shifted_labels
 
 
 class Block(nn.Module):
@@ -46,18 +48,29 @@ class GPT(nn.Module):
         self.lm_head = Linear(m.d_model, m.vocab_size, bias=False, init_std=m.init_std)
         if m.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        # each depth's block is as the last block is (dense or MoE), as Megatron-Core builds it
+        self.mtp = nn.ModuleList(MTPDepth(m, Block(m, moe_cfg, m.n_layers - 1))
+                                 for _ in range(m.mtp_depth)) if m.mtp_depth else None
+        self.mtp_labels = shifted_labels  # context parallelism shifts across its ranks instead
+        self.mtp_loss = None  # [K] cross entropies of the last forward given labels (mtp.py)
 
-    def forward(self, input_ids_BS: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, input_ids_BS: torch.Tensor, cache=None, labels_BS=None) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, V] (or hidden states on a pipeline stage).
 
         cache (inference, models/kv_cache.KVCache from new_cache): the ids continue the cached
-        positions; their keys and values are appended to it."""
+        positions; their keys and values are appended to it.
+        labels_BS (training, with mtp): the next-token targets; the MTP depths then run and
+        leave their cross entropies [K] in self.mtp_loss (the trainer weights and adds them,
+        as it does the MoE layers' aux_loss). The logits are the main model's either way."""
         h_BSD = input_ids_BS
         if self.tok_emb is not None:
             # context parallelism replaces embed with a one-argument function (no cache there)
             h_BSD = self.embed(input_ids_BS) if cache is None else self.embed(input_ids_BS, cache.length)
         for i, block in enumerate(self.blocks):
             h_BSD = block(h_BSD) if cache is None else block(h_BSD, cache.layers[i])
+        self.mtp_loss = None
+        if self.mtp is not None and labels_BS is not None:
+            self.mtp_loss = mtp_losses(self, h_BSD, labels_BS)
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
         if self.lm_head is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.mtp import weighted_mtp_loss
 from moe.aux import collect_aux_loss
 from moe.replay import replaying
 from parallel.interleave import run_interleaved
@@ -35,6 +36,21 @@ class StepResult:
     stop: bool = False          # a SIGTERM seen by any rank
 
 
+def _record_mtp(rec: dict, values_K, held: bool) -> None:
+    """mtp_loss_1 ... mtp_loss_K (the depths' unweighted cross entropies, dp-mean) into the
+    step's record; held (device step checks): read with the held steps, in one copy."""
+    if not held:
+        rec.update({f"mtp_loss_{k + 1}": v for k, v in enumerate(values_K)})
+        return
+    read = {}
+
+    def value(k):
+        if not read:
+            read["v"] = values_K.tolist()
+        return read["v"][k]
+    rec.update({f"mtp_loss_{k + 1}": (lambda k=k: value(k)) for k in range(values_K.shape[0])})
+
+
 class Plain:
     """Every rank runs the whole model on its share of the global batch."""
 
@@ -44,7 +60,7 @@ class Plain:
         counting = par.recording_comm() if tr.cfg.log.comm_bytes else contextlib.nullcontext()
         peak = tr.peak_memory(n)
         with counting, peak or contextlib.nullcontext():
-            loss, aux, stats = self._forward_backward(tr, tr.next_batch(), scale)
+            loss, aux, stats, mtp_K = self._forward_backward(tr, tr.next_batch(), scale)
             with par.comm_label("other"):
                 overflow = tr.scaler is not None and tr.scaler.unscale_(par.grads())
                 norm = None if overflow else par.clip_grad_norm_(tr.cfg.train.grad_clip)
@@ -69,16 +85,21 @@ class Plain:
             rec["peak_mem_bytes"] = peak.peak_bytes
             if peak.reserved_bytes is not None:
                 rec["peak_mem_reserved_bytes"] = peak.reserved_bytes
-        mean = par.mean_over_dp(torch.stack([loss, aux]))
+        parts = [loss.reshape(1), aux.reshape(1)] + ([] if mtp_K is None else [mtp_K])
+        mean = par.mean_over_dp(torch.cat(parts))
         if tr.checks is not None:  # read later, with the other held steps (step_checks.py)
+            _record_mtp(rec, mean[2:], held=True)
             return StepResult(mean[0], mean[1], stats, norm, skipped)
-        loss, aux = mean.tolist()
+        values = mean.tolist()
+        loss, aux = values[:2]
+        _record_mtp(rec, values[2:], held=False)
         skipped = "overflow" if overflow else "diverged" if diverged else False
         return StepResult(loss, aux, stats, norm, skipped, stop)
 
     def _forward_backward(self, tr, batch, scale: float):
-        """(mean task loss, mean aux loss, {layer: [RoutingStats]}) of this rank's rows, run
-        in micro-batches; the gradient reduction runs in the last one's backward. Under
+        """(mean task loss, mean aux loss, {layer: [RoutingStats]}, mean MTP depth losses [K] or
+        None) of this rank's rows, run in micro-batches; the gradient reduction runs in the
+        last one's backward (the MTP loss, weighted, is in it: models/mtp.py). Under
         parallel.a2a_overlap=1f1b the forward of micro-batch i+1 runs beside the backward of
         micro-batch i (parallel/interleave.py)."""
         rows = tr.rows_per_rank
@@ -90,11 +111,14 @@ class Plain:
             part = micro[i]["samples"] if tr.replay is not None else micro[i]
             loss = tr.task.loss(tr.model, part)
             aux = collect_aux_loss(tr.model).to(loss.device)
-            sums.append(torch.stack([loss.detach(), aux.detach()]))
+            mtp = weighted_mtp_loss(tr.model)
+            sums.append(torch.cat([loss.detach().reshape(1), aux.detach().reshape(1)]
+                                  + ([] if mtp is None else [mtp[1].detach()])))
             for name, layer in tr.moe:
                 if layer.last_stats is not None:
                     stats[name].append(layer.last_stats)
-            return (loss + aux) * (scale / n)
+            total = loss + aux + (0 if mtp is None else mtp[0])
+            return total * (scale / n)
 
         if tr.par.baton is not None:  # parallel.a2a_overlap=1f1b: F(i+1) beside B(i)
             tr.par.set_grad_sync(False)
@@ -110,14 +134,14 @@ class Plain:
         total = sums[0]
         for s in sums[1:]:  # in micro-batch order, as one sum
             total = total + s
-        return total[0] / n, total[1] / n, stats
+        return total[0] / n, total[1] / n, stats, (total[2:] / n if total.numel() > 2 else None)
 
     def eval_chunk(self, tr) -> tuple:
         """(rows per evaluation forward, whole chunks only)."""
         return tr.cfg.train.micro_batch_size or tr.rows_per_rank, False
 
     def eval_loss(self, tr, batch) -> torch.Tensor:
-        return tr.task.loss(tr.model, batch)
+        return tr.task.loss(tr.model, batch, mtp=False)  # the main loss (MTP depths not run)
 
     def settle(self, tr, n: int) -> None:
         """Before the weights are read (evaluation, checkpoint): nothing to do."""
@@ -135,7 +159,7 @@ class Pipeline(Plain):
         # the runner returns task + aux; split off the aux part, summed over the stages
         aux = tr.par.pipeline_aux_loss().to(total.device)
         stats = {name: [layer.last_stats] for name, layer in tr.moe if layer.last_stats is not None}
-        return total.detach() - aux, aux, stats
+        return total.detach() - aux, aux, stats, None  # (MTP: refused under pp, plan_rules)
 
     def eval_chunk(self, tr) -> tuple:
         # the schedule splits each chunk into its fixed micro-batch count: the training shape
@@ -160,7 +184,8 @@ class ParameterServer(Plain):
         step the optimizer. The loss returned is the mean over workers (s = 0) or its own."""
         tr.stager.fence()  # the pull writes the weights an async save may still be copying
         rec["ps_staleness"] = self.client.pull(n)
-        loss, aux, stats = self._forward_backward(tr, tr.next_batch(), 1.0)
+        loss, aux, stats, mtp_K = self._forward_backward(tr, tr.next_batch(), 1.0)
+        _record_mtp(rec, [] if mtp_K is None else mtp_K.tolist(), held=False)  # this worker's
         asked = tr.stop_request is not None and tr.stop_request.requested
         loss, aux, norm, skipped, stop_at = self.client.push(
             n, tr.sched.get_last_lr(), loss, aux, tr.cfg.train.grad_clip, stop=asked)

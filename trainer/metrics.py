@@ -65,7 +65,8 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def log_step(self, record: dict) -> None:
-        """record: step, loss, aux_loss, lr, grad_norm (None for a skipped step), tokens_per_s,
+        """record: step, loss, aux_loss, (mtp_loss_1 ... mtp_loss_K: each multi-token prediction
+        depth's cross entropy, with model.mtp_depth), lr, grad_norm (None for a skipped step), tokens_per_s,
         tflops (model TFLOP/s per rank; + mfu where a peak is known, trainer/telemetry.py),
         comm_bytes {kind: bytes} (+ val_loss; comm_bytes_inter_node when the ledger knows of
         several nodes; comm_bytes_a2a_nodes {kind: {intra_node|inter_node: {dtype: bytes}}}
@@ -116,7 +117,9 @@ class MetricsLogger:
             norm = "skipped" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
             scale = f" scale {r['loss_scale']:g}" if "loss_scale" in r else ""
             mfu = f" mfu {r['mfu']:.1%}" if "mfu" in r else ""
-            print(f"step {r['step']}/{self.total} loss {r['loss']:.4f} aux {r['aux_loss']:.4f} "
+            mtp = "/".join(f"{r[k]:.4f}" for k in sorted(r) if k.startswith("mtp_loss_"))
+            mtp = f" mtp {mtp}" if mtp else ""
+            print(f"step {r['step']}/{self.total} loss {r['loss']:.4f} aux {r['aux_loss']:.4f}{mtp} "
                   f"lr {r['lr']:.2e} grad_norm {norm}{scale} "
                   f"tok/s {r['tokens_per_s']:.0f} TFLOP/s {r['tflops']:.3g}{mfu}{val} "
                   f"eta {_fmt_eta(eta)}", flush=True)

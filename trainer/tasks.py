@@ -6,20 +6,14 @@ switch: T5 span corruption of each sample (data/span_corruption.py), seeded by t
         global index and the train seed, so every layout corrupts a sample identically.
 """
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from models.cross_entropy import chunked_cross_entropy
+from models.cross_entropy import mean_token_loss
 
 
 def token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over labelled positions (label -100 = ignored), in fp32, without an
     fp32 copy of the whole logits (models/cross_entropy.py)."""
-    V = logits_BSV.shape[-1]
-    if isinstance(logits_BSV, DTensor):  # a sharded vocabulary: torch's own loss handles it
-        return F.cross_entropy(logits_BSV.float().reshape(-1, V), labels_BS.reshape(-1),
-                               ignore_index=-100)
-    return chunked_cross_entropy(logits_BSV.reshape(-1, V), labels_BS.reshape(-1))
+    return mean_token_loss(logits_BSV, labels_BS)
 
 
 def switch_batch(samples_BS1, indices, seed: int, vocab_size: int, data_cfg) -> dict:
@@ -79,10 +73,14 @@ class Task:
             return batch["input_ids"], batch["decoder_input_ids"]
         return self.inputs_targets(batch)[0]
 
-    def loss(self, model, batch) -> torch.Tensor:
+    def loss(self, model, batch, mtp: bool = True) -> torch.Tensor:
+        """The main mean loss; a GPT with multi-token prediction (and mtp) also runs its
+        depths, leaving their losses in model.mtp_loss (models/mtp.py)."""
         if self.arch == "switch":
             return switch_loss(model, batch)
         x_BS, y_BS = self.inputs_targets(batch)
+        if mtp and getattr(model, "mtp", None) is not None:
+            return token_loss(model(x_BS, labels_BS=y_BS), y_BS)
         return token_loss(model(x_BS), y_BS)
 
     def tokens(self, batch) -> int:

@@ -49,7 +49,7 @@ def split_pipeline(model, plan, meshes, loss_fn, baton=None):
     lazily; `baton`: parallel.a2a_overlap=1f1b, its forward/backward pairs interleaved)."""
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs loss_fn(logits, targets) passed to parallelize")
-    n_layers, n = len(blocks(model)), plan.num_stages
+    n_layers, n = len(model.blocks), plan.num_stages  # (MTP depths: refused under pp)
     stages = plan.stages_of(meshes.pp_rank)
     layers = stage_blocks(plan.pp_layers, n_layers, n)
     per_stage = {s: layers[s] for s in stages}

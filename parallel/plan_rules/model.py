@@ -11,6 +11,18 @@ from .recompute import _check_recompute_model
 from .tensor import _check_grid_model, _check_tp_attention
 
 
+def _check_mtp_layout(p: ParallelPlan, depth: int) -> None:
+    """Multi-token prediction runs under dp, ZeRO, FSDP, 1-D tp, ep/etp and cp; not yet under
+    pp (its depths belong on the last stage with a copy of the embedding) or the 2-D grid."""
+    if depth and p.pp > 1:
+        raise _err(f"model.mtp_depth={depth} with parallel.pp={p.pp}: multi-token prediction under "
+                   f"pipeline parallelism is not built yet; set parallel.pp=1 (dp, ZeRO, tp, ep, cp "
+                   f"work) or model.mtp_depth=0")
+    if depth and p.tp > 1 and p.tp_mode != "1d":
+        raise _err(f"model.mtp_depth={depth} with parallel.tp_mode={p.tp_mode}: multi-token "
+                   f"prediction runs under 1-D tensor parallelism only; set parallel.tp_mode=1d")
+
+
 def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
     arch = getattr(m, "arch", "gpt")
     if arch != "gpt" and (p.tp > 1 or p.pp > 1):
@@ -28,6 +40,7 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         _check_grid_model(p, m, moe_cfg)
     if p.cp > 1:
         _check_cp_model(p, m, moe_cfg)
+    _check_mtp_layout(p, getattr(m, "mtp_depth", 0))
     if p.pp > 1 and p.pp_schedule == "2bw" and getattr(m, "tie_embeddings", False):
         raise _err("parallel.pp_schedule=2bw with model.tie_embeddings=true: the first and last "
                    "stage would update one weight from two stashed versions; set "

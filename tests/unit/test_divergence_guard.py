@@ -75,8 +75,8 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeyp
     real = tr.execution._forward_backward
 
     def nan_loss(trainer, batch, scale):  # real gradients, a NaN loss: only the guard stops the update
-        loss, aux, stats = real(trainer, batch, scale)
-        return loss * float("nan"), aux, stats
+        loss, aux, stats, mtp = real(trainer, batch, scale)
+        return loss * float("nan"), aux, stats, mtp
     before = _snapshot(tr)
     monkeypatch.setattr(tr.execution, "_forward_backward", nan_loss)
     tr.step(2)
@@ -113,8 +113,8 @@ def test_device_checks_defer_the_read_and_equal_the_host_bit_for_bit(tmp_path, m
 
         def nan_2_3(trainer, batch, scale, real=real, calls=calls):
             calls["n"] += 1
-            loss, aux, stats = real(trainer, batch, scale)
-            return (loss * float("nan") if calls["n"] in (2, 3) else loss), aux, stats
+            loss, aux, stats, mtp = real(trainer, batch, scale)
+            return (loss * float("nan") if calls["n"] in (2, 3) else loss), aux, stats, mtp
         monkeypatch.setattr(tr.execution, "_forward_backward", nan_2_3)
         for n in range(1, 5):
             tr.step(n)
@@ -143,8 +143,8 @@ def test_device_checks_stop_a_divergence_at_the_read_naming_its_step(tmp_path, m
 
     def nan_2_3(trainer, batch, scale):
         calls["n"] += 1
-        loss, aux, stats = real(trainer, batch, scale)
-        return (loss * float("nan") if calls["n"] in (2, 3) else loss), aux, stats
+        loss, aux, stats, mtp = real(trainer, batch, scale)
+        return (loss * float("nan") if calls["n"] in (2, 3) else loss), aux, stats, mtp
     monkeypatch.setattr(tr.execution, "_forward_backward", nan_2_3)
     for n in range(1, 5):
         tr.step(n)  # the streak is on the device: no stop yet
