@@ -33,7 +33,8 @@ def _wrap(module, enabled: bool, dtype=None) -> None:
 
 
 def apply_precision(model, precision: str) -> None:
-    """Autocast every block (of every stack: models.blocks) and the lm_head to bf16/fp16;
+    """Autocast every block (of every stack: models.blocks), the MTP depths' projections and
+    the lm_head to bf16/fp16;
     keep routers in fp32."""
     if precision == "fp32":
         return
@@ -42,7 +43,8 @@ def apply_precision(model, precision: str) -> None:
     for m in model.modules():
         if isinstance(m, Router):
             _wrap(m, enabled=False)
-    targets = blocks(model) + [getattr(model, "lm_head", None)]
+    mtp_projections = [d.eh_proj for d in getattr(model, "mtp", None) or []]  # models/mtp.py
+    targets = blocks(model) + mtp_projections + [getattr(model, "lm_head", None)]
     for m in targets:
         if m is not None:
             _wrap(m, enabled=True, dtype=DTYPES[precision])

@@ -117,7 +117,7 @@ class MetricsLogger:
             norm = "skipped" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
             scale = f" scale {r['loss_scale']:g}" if "loss_scale" in r else ""
             mfu = f" mfu {r['mfu']:.1%}" if "mfu" in r else ""
-            mtp = "/".join(f"{r[k]:.4f}" for k in sorted(r) if k.startswith("mtp_loss_"))
+            mtp = "/".join(f"{r[k]:.4f}" for k in sorted(r, key=_depth) if k.startswith("mtp_loss_"))
             mtp = f" mtp {mtp}" if mtp else ""
             print(f"step {r['step']}/{self.total} loss {r['loss']:.4f} aux {r['aux_loss']:.4f}{mtp} "
                   f"lr {r['lr']:.2e} grad_norm {norm}{scale} "
@@ -169,3 +169,9 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
         self.jsonl.close()
+
+
+def _depth(key: str) -> int:
+    """mtp_loss_k's k (0 for other keys): the log line lists depths in order past 9."""
+    tail = key.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 0

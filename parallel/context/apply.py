@@ -6,7 +6,10 @@ Changed in place (instance attributes: parameter names stay):
   every block's attention  q/k/v/o projections as before (tensor-parallel styles still apply),
                            rotary angles at each token's global position, then ring or
                            Ulysses attention over the cp group instead of local attention;
-  the embedding            learned positions at each token's global position.
+  the embedding            learned positions at each token's global position;
+  multi-token prediction   each depth's ids and targets shifted along the whole sequence (the
+                           labels all-gathered over the cp group: the shift crosses the parts),
+                           each rank's loss divided by the whole sequence's labelled count / cp.
 Everything else already works on tokens wherever they are: norms, dense FFNs, MoE layers
 (routing is per token; the sequence balance loss sums its statistics over the cp group,
 parallel/apply.py _set_sequence_groups), the loss (each rank's mean over its tokens; the cp ranks'
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from models.blocks import blocks
 from models.layers import rope_cos_sin
+from models.mtp import shifted_labels
 
 from .ring import ring_attention
 from .split import positions, split
@@ -33,6 +37,8 @@ def apply_context_parallel(model, group, mode: str, chunks=()) -> None:
     for m in (model, *chunks):
         if getattr(m, "pos_emb", None) is not None and getattr(m, "tok_emb", None) is not None:
             m.embed = _embed(m, n, rank)
+    if getattr(model, "mtp", None) is not None:
+        model.mtp_labels = _mtp_labels(group, n, rank)
 
 
 def _attention(attn, group, mode: str, n: int, rank: int):
@@ -68,6 +74,25 @@ def _embed(model, n: int, rank: int):
         x_BQD = model.tok_emb(input_ids_BQ) + model.pos_emb(positions(S, n, rank, input_ids_BQ.device))
         return model.drop(x_BQD)
     return embed
+
+
+def _mtp_labels(group, n: int, rank: int):
+    """models/mtp.shifted_labels for this rank's part of each sequence: position i's ids and
+    targets lie up to K tokens ahead, possibly on another rank, so the (small, integer) labels
+    are gathered whole, shifted, and this rank's positions taken. The count each rank divides
+    by is the whole sequence's / cp: the cp ranks' mean is then the whole sequence's mean (the
+    last K positions, masked, all sit on one rank)."""
+    def shifted(labels_BQ: torch.Tensor, depth: int) -> list:
+        parts = [torch.empty_like(labels_BQ) for _ in range(n)]
+        dist.all_gather(parts, labels_BQ.contiguous(), group=group)
+        B, S = labels_BQ.shape[0], labels_BQ.shape[1] * n
+        full_BS = labels_BQ.new_empty(B, S)
+        for r, part in enumerate(parts):
+            full_BS[:, positions(S, n, r, labels_BQ.device)] = part
+        mine = positions(S, n, rank, labels_BQ.device)
+        return [(ids_BS[:, mine], tgt_BS[:, mine], count / n)
+                for ids_BS, tgt_BS, count in shifted_labels(full_BS, depth)]
+    return shifted
 
 
 def split_sequence(x: torch.Tensor, group) -> torch.Tensor:

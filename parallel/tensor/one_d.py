@@ -23,6 +23,9 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
               must divide by tp). Either way every token is routed and computed once;
               router and experts stay plain tensors, reduced over the "pool" (see data.py);
               the layer's aux_loss becomes the tp-mean so the total matches one process.
+  MTP depths  (models/mtp.py) their norms and eh_proj per token on [B, s, D], weights
+              replicated (SequenceParallel: their gradients summed over tp); the embedding of
+              the tokens ahead split along S as the main one; their blocks as above
   output      lm_head column-parallel over V (tied to tok_emb when the model ties them), the
               logits all-gathered so any loss function works.
 """
@@ -149,8 +152,13 @@ def apply_tensor_parallel(model: nn.Module, meshes) -> None:
                                                                 output_layouts=Replicate()))
         _check_input(model, group)
         _split_after_embedding(model, group)
-    for block in blocks(model):
+    for block in blocks(model):  # the MTP depths' blocks too
         _shard_block(block, mesh, group)
+    for depth in getattr(model, "mtp", None) or []:  # per token on the sequence shards
+        parallelize_module(depth, mesh, {"enorm": SequenceParallel(use_local_output=True),
+                                         "hnorm": SequenceParallel(use_local_output=True),
+                                         "eh_proj": SequenceParallel(use_local_output=True),
+                                         "norm": SequenceParallel()})
     if model.norm is not None:
         parallelize_module(model.norm, mesh, SequenceParallel())
     if model.lm_head is not None:
