@@ -317,11 +317,17 @@ def _tensor(w, plan, state, book, out, events) -> None:
     if state.last_stage:
         dtensor += part + full + seqs * S * (V / tp) * a   # head input gather (+ bwd), logits
         calls += 3
+    depths = len(w.mtp_block_ids()) if state.last_stage else 0
+    if depths:  # each MTP depth embeds the tokens ahead and scores through the head, as the ends do
+        dtensor += depths * (full + part + full + seqs * S * (V / tp) * a)
+        calls += 4 * depths
+        book("gather", "tp", part * m * depths, m * depths)
     if again:
         dtensor += fwd_only
         calls += calls // 2
     dtensor = int(dtensor * m + state.replicated_tp_bytes)
-    calls = calls * m + 2 * len(blocks) + state.last_stage   # each norm weight's gradient
+    # each norm weight's gradient (an MTP depth's three norms and projection too)
+    calls = calls * m + 2 * len(blocks) + state.last_stage + 4 * depths
     out["tensor_parallel"] += dtensor
     events.append(("tensor_parallel", "reduce_scatter_pair", "tp", tp, dtensor, calls))
     per = moe_layers * m

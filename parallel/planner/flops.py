@@ -8,9 +8,13 @@ Forward FLOPs per token = 2 x (matmul weights it passes through) + attention:
   (QK^T and AV; 4 x key length x D for plain multi-head attention), key length = the
   stream's tokens (cross-attention: the encoder's), halved for causal self-attention (the
   decoder's: a query sees the keys before it, and the fused kernels skip the masked half).
+Multi-token prediction depths (model.mtp_depth, models/mtp.py) are units of their own, block
+index MTP_BASE + k: their projection and block as above, plus the shared output head once
+per depth (each depth scores its tokens through it).
 This is Megatron-LM's convention for model TFLOP/s (causal attention counted half; its MTP
-layers would count as the blocks they are, moekit builds none; its padded vocabulary is the
-vocabulary of the published runs compared here, all multiples of 128), which the planner
+layers count as the blocks they are and their output layers once each, as here; its padded
+vocabulary is the vocabulary of the published runs compared here, all multiples of 128),
+which the planner
 and train.py's telemetry both report; tokens/s per GPU beside it needs no convention.
 Backward = 2 x forward; full recomputation adds one forward: 3x or 4x forward per step.
 Selective recomputation (parallel.recompute_modules) adds the forward of its parts only:
@@ -29,6 +33,8 @@ from dataclasses import dataclass, field
 from ..kinds import is_expert_param
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|h|layers|block)\.(\d+)\.")
+_MTP = re.compile(r"(?:^|\.)mtp\.(\d+)\.")
+MTP_BASE = 1 << 20  # MTP depth k's unit is block MTP_BASE + k: past any model's blocks
 
 
 @dataclass
@@ -79,6 +85,9 @@ def model_costs(model, workload) -> ModelCosts:
                 part = _part(mname, workload.model_cfg)
                 if part:
                     unit.parts[part] = unit.parts.get(part, 0) + p.numel()
+    head = getattr(model, "lm_head", None)
+    for k in range(len(getattr(model, "mtp", None) or [])):  # each depth runs the shared head
+        out.units[("decoder", MTP_BASE + k)].dense_params += head.weight.numel()
     return out
 
 
@@ -114,6 +123,9 @@ def _self_attention_flops(costs: ModelCosts, workload, unit: Unit) -> float:
 
 
 def _key(name: str) -> tuple:
+    mtp = _MTP.search(name)
+    if mtp:
+        return ("decoder", MTP_BASE + int(mtp.group(1)))
     m = _BLOCK.search(name)
     return (_stream(name), int(m.group(1)) if m else -1)
 
@@ -167,6 +179,6 @@ def rank_flops(costs: ModelCosts, workload, plan, state, expert_slowdown: float 
 def _on_rank(stream, block, state, plan) -> bool:
     if plan.pp == 1:
         return True
-    if block >= 0:
+    if 0 <= block < MTP_BASE:
         return block in state.block_ids
-    return state.last_stage  # the head (embeddings have no matmul)
+    return state.last_stage  # the head (embeddings have no matmul), the MTP depths

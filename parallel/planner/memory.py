@@ -47,6 +47,10 @@ autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
   entry per token (vocabulary gathered: not divided by tp); models/cross_entropy.py keeps
   no fp32 copy or log-probabilities, and its chunks' fp32 work stays inside one fused op.
   Pipeline stages keep schedule.in_flight() micro-batch-chunks of it.
+  Multi-token prediction (model.mtp_depth = K, models/mtp.py): each depth adds a block as the
+  last one (recomputed as the blocks are) + MTP_EXTRA D outside it (the embedding's norm in
+  and out, the hidden state's norm out, their concatenation 2 D, the depth's final norm in and
+  out), and the loss term once more per depth (its logits and their gradient).
   a2a_overlap=1f1b: without pp one micro-batch plus the blocks the next one's forward
   builds before its first expert all-to-all (through the first MoE block); under pp
   at least two micro-batch-chunks.
@@ -70,6 +74,7 @@ from ..pipeline.schedules import in_flight
 from .rank_state import muon_facts
 
 LOSS_COPIES_PER_LOGIT = 2   # the logits and their gradient, in the activations' dtype
+MTP_EXTRA = 7               # elements x D per token an MTP depth saves outside its block
 DEVICE = "gpu"
 
 
@@ -309,12 +314,10 @@ def activations(w, plan, state, stage: int) -> Activations:
     for stream, S in w.stream_tokens.items():
         for i in w.blocks_on(state, plan):
             tokens = seqs * local_tokens(plan, S) / plan.tp
-            full = block_act_elems(w, i, stream, plan) * tokens * a
-            kept = full
-            if plan.recompute == "full":
-                kept = w.model_cfg.d_model * tokens * a
-            elif plan.recompute == "selective":
-                kept = full - recompute_saved_elems(w, i, plan) * tokens * a
+            kept, full = _kept_and_full(w, i, stream, plan, tokens, a)
+            if i >= w.model_cfg.n_layers:  # an MTP depth: what lies around its block
+                around = MTP_EXTRA * w.model_cfg.d_model * tokens * a
+                kept, full = kept + around, full + around
             per_block[(stream, i)] = (kept, full)
     kept = sum(k for k, _ in per_block.values())
     rebuild = 0  # backward rebuilds one block at a time: all of it, or what selective dropped
@@ -341,10 +344,23 @@ def activations(w, plan, state, stage: int) -> Activations:
     loss = 0
     if state.last_stage:
         S_out = w.stream_tokens["decoder"]
-        loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * a * LOSS_COPIES_PER_LOGIT)
+        # each MTP depth's logits too, saved until the backward; one gradient at a time
+        loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * a
+                   * (LOSS_COPIES_PER_LOGIT + getattr(w.model_cfg, "mtp_depth", 0)))
     total = int(per_chunk * flight + lead + rebuild + loss)
     passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
     return Activations(int(kept), flight, loss, total, passes, fp8_copy_bytes(w, plan))
+
+
+def _kept_and_full(w, i: int, stream: str, plan, tokens: float, a: int) -> tuple:
+    """(bytes block i keeps for backward under the plan's recomputation, bytes it saves
+    without it) for `tokens` tokens."""
+    full = block_act_elems(w, i, stream, plan) * tokens * a
+    if plan.recompute == "full":
+        return w.model_cfg.d_model * tokens * a, full
+    if plan.recompute == "selective":
+        return full - recompute_saved_elems(w, i, plan) * tokens * a, full
+    return full, full
 
 
 def autocast_copy_bytes(state, plan) -> int:

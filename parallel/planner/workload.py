@@ -53,14 +53,25 @@ class Workload:
 
     @cached_property
     def _moe_ids(self) -> frozenset:
-        """The MoE blocks' indices (per stack): the search asks millions of times."""
+        """The MoE blocks' indices (per stack; the MTP depths' as the last block's): the search
+        asks millions of times."""
         if not self.has_moe():
             return frozenset()
-        return frozenset(self.moe_cfg.moe_block_ids(self.model_cfg.n_layers))
+        n = self.model_cfg.n_layers
+        ids = self.moe_cfg.moe_block_ids(n)
+        return frozenset(ids + (self.mtp_block_ids() if n - 1 in ids else []))
+
+    def mtp_block_ids(self) -> list:
+        """The multi-token prediction depths' blocks (model.mtp_depth), numbered after the
+        model's: n_layers + k, as models/blocks.blocks lists them."""
+        n = self.model_cfg.n_layers
+        return list(range(n, n + getattr(self.model_cfg, "mtp_depth", 0)))
 
     def blocks_on(self, state, plan) -> list:
-        """Block indices (per stack) this rank runs: its pipeline stage's, or all of them."""
-        return list(state.block_ids) if plan.pp > 1 else list(range(self.model_cfg.n_layers))
+        """Block indices (per stack) this rank runs: its pipeline stage's, or all of them;
+        the MTP depths' blocks (mtp_block_ids) with the last stage's."""
+        main = list(state.block_ids) if plan.pp > 1 else list(range(self.model_cfg.n_layers))
+        return main + (self.mtp_block_ids() if plan.pp == 1 or state.last_stage else [])
 
     def validate(self, plan, world: int):
         """The plan resolved for `world` (dp, microbatches), or ValueError naming the field."""

@@ -94,3 +94,17 @@ def test_mtp_depth_block_is_as_the_last_block():
 def test_mtp_config_refusals_name_the_field(change, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(".", r"\.")):
         dataclasses.replace(ModelConfig(), **change).validate()
+
+
+@pytest.mark.parametrize("depth, published", [(0, 249.81), (1, 259.99)])
+def test_planner_prices_deepseek_v3_mtp_at_its_published_flops(depth, published):
+    """DeepSeek-V3 (configs/models/deepseek_v3.toml, seq 4096) in Megatron's convention:
+    249.81 GFLOP per token without MTP, 259.99 with one depth (the published figures issue
+    63 cites); within 1%."""
+    from parallel.planner.flops import model_costs, model_flops
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    cfg = load_config("configs/models/deepseek_v3.toml", [f"model.mtp_depth={depth}"])
+    w = workload_from_config(cfg)
+    per_token = model_flops(model_costs(w.build_model(), w), w) / (w.batch_size * cfg.data.seq_len)
+    assert abs(per_token / 1e9 / published - 1) < 0.01, per_token / 1e9
