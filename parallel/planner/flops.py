@@ -52,6 +52,7 @@ class Unit:
 class ModelCosts:
     units: dict = field(default_factory=dict)   # (stream, block index or -1) -> Unit
     score_width: int = 0    # multiply-adds per (query, key) pair over all heads (QK^T + AV)
+    mtp_params: int = 0     # parameters of the multi-token prediction depths (models/mtp.py)
     step_bytes: object = None  # traced_bytes.StepBytes the search bounds with (None: not priced)
 
 
@@ -86,6 +87,7 @@ def model_costs(model, workload) -> ModelCosts:
                 if part:
                     unit.parts[part] = unit.parts.get(part, 0) + p.numel()
     head = getattr(model, "lm_head", None)
+    out.mtp_params = sum(p.numel() for n, p in model.named_parameters() if _MTP.search(n))
     for k in range(len(getattr(model, "mtp", None) or [])):  # each depth runs the shared head
         out.units[("decoder", MTP_BASE + k)].dense_params += head.weight.numel()
     return out
@@ -139,6 +141,12 @@ def token_flops(costs: ModelCosts, workload, unit: Unit, imbalance: float = 1.0,
     per_token = 2 * (unit.dense_params + unit.expert_params * imbalance) * gemm_time
     return (per_token + _self_attention_flops(costs, workload, unit)
             + 2 * costs.score_width * (enc or S) * unit.cross_attention)
+
+
+def mtp_flops_per_token(costs: ModelCosts, workload) -> float:
+    """Model FLOPs (3 x forward) per decoder token of the MTP depths (0 without them)."""
+    return 3 * sum(token_flops(costs, workload, u) for (_, b), u in costs.units.items()
+                   if b >= MTP_BASE)
 
 
 def model_flops(costs: ModelCosts, workload, imbalance: float = 1.0) -> float:

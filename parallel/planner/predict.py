@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
-from .flops import model_flops, rank_flops
-from .memory import activations, first_block_terms, micro_seqs, model_state, peak_bytes
+from .flops import model_flops, mtp_flops_per_token, rank_flops
+from .memory import (MTP_EXTRA, activations, block_act_elems, first_block_terms, micro_seqs,
+                     model_state, peak_bytes)
 from .rank_state import read_rank_state, with_cp
 from .traced_bytes import rank_bytes, step_bytes
 from ..pipeline.schedules import bubble_fraction
@@ -56,6 +57,7 @@ class Prediction:
     tokens_per_s_per_gpu: float = 0.0
     flops_per_token: float = 0.0  # model FLOPs of a step / its tokens (Megatron's convention)
     mfu: float = None            # tflops_per_gpu / the hardware's peak; None where unknown
+    mtp: dict = field(default_factory=dict)  # model.mtp_depth > 0: mtp_summary's figures
 
     def rank0(self) -> StagePrediction:
         return self.stages[0]
@@ -139,6 +141,19 @@ def _gb(nbytes: int, limit: int) -> str:
     return f"{nbytes / 1e9:.9f}"
 
 
+def mtp_summary(w, plan, costs) -> dict:
+    """What the multi-token prediction depths cost ({} without them): depths, parameters,
+    model FLOPs per token, and per token of the last stage, the elements each depth saves
+    for backward before recomputation (its block's, what lies around it, its logits)."""
+    ids = w.mtp_block_ids()
+    if not ids:
+        return {}
+    m = w.model_cfg
+    saved = block_act_elems(w, ids[0], "decoder", plan) + MTP_EXTRA * m.d_model + m.vocab_size
+    return {"depths": len(ids), "params": costs.mtp_params,
+            "flops_per_token": mtp_flops_per_token(costs, w), "saved_elems_per_token": saved}
+
+
 def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     """Predict a validated plan; raises what parallelize raises for a layout it cannot build."""
     out = Prediction(plan, bubble=bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches,
@@ -184,6 +199,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
     if out.step_s > 0:
         out.tflops_per_gpu = flops / plan.world / out.step_s / 1e12
         out.mfu = out.tflops_per_gpu / hw.peak_tflops if hw.peak_tflops else None
+    out.mtp = mtp_summary(w, plan, costs)
     out.peak_bytes = max(s.memory["peak"] for s in out.stages)
     if out.peak_bytes > hw.gpu_mem_bytes:
         worst = max(out.stages, key=lambda s: s.memory["peak"])

@@ -139,7 +139,7 @@ def pred_dict(p) -> dict:
             "peak_gb": [s.memory["peak"] / GB for s in p.stages], "bubble": p.bubble,
             "step_s": p.step_s, "step_s_min": p.step_s_min, "tokens_per_s": p.tokens_per_s,
             "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "flops_per_token": p.flops_per_token,
-            "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "comm_bytes": comm_by_kind(p),
+            "mtp": p.mtp, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "comm_bytes": comm_by_kind(p),
             "a2a_s": _a2a(p)[0], "a2a_exposed_s": _a2a(p)[1],
             "ranks": [{"rank": s.rank, "model_state_bytes": s.model_state,
                        "activation_bytes": s.activation_bytes,
@@ -211,6 +211,14 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
                       "micro-batch-chunk, divided by tp and cp):",
                   "  " + ", ".join(f"{k} {v:.0f}" for k, v in terms.items())
                   + f" = {sum(terms.values()):.0f}"]
+    if p.mtp:
+        t = p.mtp
+        lines += ["", f"multi-token prediction ({t['depths']} depth{'s' * (t['depths'] > 1)}, on the last "
+                      f"stage): {t['params'] / 1e6:.2f} M parameters, {t['flops_per_token'] / 1e9:.3g} "
+                      f"GFLOP per token of the {p.flops_per_token / 1e9:.4g} above "
+                      f"({t['flops_per_token'] / p.flops_per_token:.1%}), {t['saved_elems_per_token']:.0f} "
+                      f"elements per token saved for backward per depth (its block, its norms and "
+                      f"projection, its logits; in the stage's activations)"]
     comm = comm_by_kind(p)
     lines += ["", "bytes per step by kind (busiest stage), MB: "
               + (", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(comm.items())) or "none"),

@@ -108,3 +108,22 @@ def test_planner_prices_deepseek_v3_mtp_at_its_published_flops(depth, published)
     w = workload_from_config(cfg)
     per_token = model_flops(model_costs(w.build_model(), w), w) / (w.batch_size * cfg.data.seq_len)
     assert abs(per_token / 1e9 / published - 1) < 0.01, per_token / 1e9
+
+
+def test_planner_layout_shows_what_mtp_costs():
+    """--layout and --json name the depths' parameters (those of the model's mtp.* tensors),
+    FLOPs per token and saved elements."""
+    from parallel.planner import Hardware, StateCache, predict
+    from parallel.planner.flops import model_costs
+    from parallel.planner.report import layout_report, pred_dict
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    cfg = load_config(None, ["model.mtp_depth=2"])
+    w = workload_from_config(cfg)
+    model = w.build_model()
+    p = predict(w, w.validate(cfg.parallel, 1), Hardware(), model_costs(model, w), StateCache(w.build_model))
+    mtp = pred_dict(p)["mtp"]
+    assert mtp["depths"] == 2
+    assert mtp["params"] == sum(t.numel() for n, t in model.named_parameters() if n.startswith("mtp."))
+    assert 0 < mtp["flops_per_token"] < p.flops_per_token
+    assert "multi-token prediction (2 depths" in layout_report(p, [], [], Hardware())
