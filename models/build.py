@@ -123,13 +123,16 @@ def _write(p: torch.Tensor, full_cpu: torch.Tensor) -> None:
         p.copy_(full_cpu)
 
 
-def init_weights(model: nn.Module, seed: int, device=None) -> nn.Module:
+def init_weights(model: nn.Module, seed: int, device=None, source: dict | None = None) -> nn.Module:
     """Materialise `model` (to_empty on `device` if it is on meta) and initialise it.
 
     Calls each parameter-owning module's reset_parameters() with its own seeded stream (see
     the module docstring); buffers are zeroed first (all buffers of these models start at 0:
     router selection bias and load counters). Tied parameters are initialised once, by the
     first module that owns them. The global RNG state is left untouched.
+    source: {single-process state-dict name: full tensor} to take every parameter (and the
+    buffers it has) from instead, each rank writing its part (experts, d_ff block, DTensor
+    shard) as it writes a drawn tensor (models/hf_weights.py reads checkpoints into one).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,6 +143,9 @@ def init_weights(model: nn.Module, seed: int, device=None) -> nn.Module:
     with torch.no_grad():
         for b in model.buffers():
             b.zero_()
+        for name, b in _named_buffers(model) if source is not None else ():
+            if name in source:
+                _write(b, source[name].to(b.dtype))
     done = set()
     with torch.random.fork_rng(devices=[]):
         for name, module in model.named_modules():
@@ -154,13 +160,43 @@ def init_weights(model: nn.Module, seed: int, device=None) -> nn.Module:
             if isinstance(module, ExpertBank):
                 layer = _owner_layer(model, name)
                 offset, split = _expert_offset(layer), _ffn_split(layer)
-            full = _draw(module, params, seed, key, offset, split)
+            full = _draw(module, params, seed, key, offset, split) if source is None else \
+                _taken(source, key, params, offset, split)
             for n, p in params.items():
                 if id(p) not in done:
                     block = full[n] if split is None or n not in FFN_DIMS else ffn_block(full[n], n, *split)
                     _write(p, block)
                     done.add(id(p))
     return model
+
+
+def _taken(source: dict, key: str, params: dict, offset, split) -> dict:
+    """The module's tensors from `source` in _draw's form: global shapes, this rank's experts."""
+    out = {}
+    for n, p in params.items():
+        name = f"{key}.{n}" if key else n
+        if name not in source:
+            raise KeyError(f"{name}: the weights given have no such tensor (a checkpoint of "
+                           f"another architecture than the model's config?)")
+        t = source[name]
+        if offset is not None:  # an expert bank: this rank's experts
+            t = t[offset:offset + p.shape[0]]
+        want = _full_shape(n, p, split)  # global (a DTensor's shape is), whole d_ff under etp
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: the weights given are {tuple(t.shape)}, the model's {want}")
+        out[n] = t.to(p.dtype)
+    return out
+
+
+def _named_buffers(model: nn.Module) -> list:
+    """[(single-process name, buffer)]: each buffer under its module's stable name."""
+    out = []
+    for name, module in model.named_modules():
+        key = getattr(module, INIT_NAME_ATTR, name)
+        for n, b in module._buffers.items():
+            if b is not None:
+                out.append((f"{key}.{n}" if key else n, b))
+    return out
 
 
 def _shared_params(model: nn.Module) -> list:

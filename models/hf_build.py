@@ -32,6 +32,10 @@ class HFConfig:
                          "whose architecture sizes moekit's own GPT: llama | mistral | qwen3 | "
                          "mixtral | qwen3_moe | deepseek_v3; [model]/[moe] values set in the TOML "
                          "or on the command line win; '' = off")
+    weights: str = _f("", "with a deepseek_v3 hf.config: a directory of that checkpoint's "
+                          "safetensors (bf16/fp32, transformers' names) to start moekit's GPT "
+                          "from, its MTP layers into model.mtp_depth's depths "
+                          "(models/hf_weights.py); '' = fresh init")
 
     def validate(self) -> "HFConfig":
         if self.family not in ("",) + tuple(TASKS):
@@ -46,6 +50,12 @@ class HFConfig:
             raise ValueError(f"hf.config={self.config!r} sizes moekit's own GPT; it cannot be "
                              f"combined with hf.family/hf.pretrained (a transformers model); "
                              f"remove one of them")
+        if self.weights and not self.config:
+            raise ValueError(f"hf.weights={self.weights!r} needs hf.config (the checkpoint's "
+                             f"config.json, model_type deepseek_v3) to size the model")
+        if self.weights and not os.path.isdir(self.weights):
+            raise ValueError(f"hf.weights={self.weights!r} is not a directory; point it at the "
+                             f"directory holding the checkpoint's *.safetensors")
         if self.kv_heads < 0:
             raise ValueError(f"hf.kv_heads={self.kv_heads} must be >= 0")
         if self.family in MOE_TASKS and not self.pretrained:

@@ -421,6 +421,16 @@ def task_arch(cfg: Config) -> str:
     return HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
 
 
+def _check_hf_weights(cfg: Config) -> None:
+    if not cfg.hf.weights:
+        return
+    from models.hf_sizes import read_hf_config
+    family = read_hf_config(cfg.hf.config).get("model_type")
+    _require(family == "deepseek_v3",
+             f"hf.weights reads DeepSeek-V3-family checkpoints (hf.config of model_type "
+             f"deepseek_v3), not {family!r}; remove hf.weights to start from a fresh init")
+
+
 def _check_replay(cfg: Config, plan) -> None:
     """moe.router_replay: layouts whose MoE layers see whole sequences of this rank's rows."""
     if not cfg.moe.router_replay:
@@ -482,6 +492,7 @@ def validate(cfg: Config, world_size: int):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_hf_layout(cfg, plan)
+    _check_hf_weights(cfg)
     _check_replay(cfg, plan)
     _check_batching(cfg, plan)
     _check_optimizer(cfg, plan)

@@ -60,6 +60,7 @@ def load_run(run_dir, step=None, overrides=()) -> LoadedRun:
         raise ConfigError(f"{'; '.join(diffs)}: the checkpoint {ckpt} was trained with the first "
                           f"value and these fields set tensor shapes; drop the override")
     device = choose_device(cfg.run.device, 0)
+    cfg.hf.weights = ""  # the checkpoint brings the weights (not the run's starting ones)
     par = build_one_process(cfg, device)
     checkpoint.load_model_weights(ckpt, par)
     model = par.model.eval()

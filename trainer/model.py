@@ -21,6 +21,10 @@ def init_fn(cfg, device):
     Init is seeded per global tensor, so every parallel layout starts from the same weights."""
     if cfg.hf.family:
         return None
+    if cfg.hf.weights:  # a DeepSeek-V3-family checkpoint (models/hf_weights.py)
+        from models.hf_weights import read_deepseek_v3
+        return lambda m: models.init_weights(m, cfg.train.seed, device,
+                                             source=read_deepseek_v3(cfg.hf.weights, cfg.model))
     return lambda m: models.init_weights(m, cfg.train.seed, device)
 
 
