@@ -2,7 +2,7 @@
 
     python -m trainer.generate RUN_DIR --prompt TEXT [--step N] [--max-new-tokens 64]
         [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-samples 1]
-        [--no-cache] [--record-routing FILE] [section.field=value ...]
+        [--no-cache] [--speculative mtp] [--record-routing FILE] [section.field=value ...]
 
 Loads the run's resolved config and its newest good checkpoint (or step N), written under any
 layout, into one process (trainer/inference.py); MoE layers route dropless. Decoder-only models
@@ -15,6 +15,11 @@ turned back into text by the run's tokenizer (bytes or BPE). --temperature 0 is 
 (trainer/router_record.py), the sequences then being generated to exactly --max-new-tokens
 tokens (no stop at end-of-text) so all have one length: train on them with
 `train.py moe.router_replay=FILE data.seq_len=<prompt + new - 1>`.
+
+--speculative mtp (a run trained with model.mtp_depth >= 1, greedy): the first MTP depth drafts
+the next token and one forward of the main model checks it and gives the one after
+(models/generation.generate_mtp_speculative); the output is the plain greedy output, and the
+line after it gives the acceptance rate and the main model's forwards per token.
 """
 import argparse
 import re
@@ -39,6 +44,8 @@ def _parser():
     p.add_argument("--num-samples", type=int, default=1, help="continuations, decoded as one batch")
     p.add_argument("--no-cache", action="store_true",
                    help="decoder-only models: recompute the whole sequence every step (no KV cache)")
+    p.add_argument("--speculative", choices=("off", "mtp"), default="off",
+                   help="mtp: self-speculative greedy decoding, the MTP depth drafting a token ahead")
     p.add_argument("--record-routing", metavar="FILE",
                    help="write every MoE layer's experts for every position (for moe.router_replay)")
     p.add_argument("overrides", nargs="*", help="section.field=value on the run's config (e.g. run.device=cpu)")
@@ -62,6 +69,9 @@ def _check_args(args) -> None:
         raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
     if args.record_routing and args.no_cache:
         raise ValueError("--record-routing records the KV-cached decode; drop --no-cache")
+    if args.speculative == "mtp" and (args.temperature != 0 or args.no_cache or args.record_routing):
+        raise ValueError("--speculative mtp decodes greedily with the KV cache; set --temperature 0 "
+                         "and drop --no-cache / --record-routing")
 
 
 def _generate(args) -> int:
@@ -85,7 +95,10 @@ def _generate(args) -> int:
     eos = None if args.record_routing else tok.eos_id
     t0 = time.perf_counter()
     recorder = None
-    if seq2seq:
+    spec = None
+    if args.speculative == "mtp":
+        new_BN, spec = _speculative(run, prompt_BP, args.max_new_tokens, eos)
+    elif seq2seq:
         new_BN = generate_seq2seq(run.model, prompt_BP, args.max_new_tokens, sampling, gen, eos)
     elif args.record_routing:
         from moe.replay import RoutingRecorder
@@ -96,6 +109,7 @@ def _generate(args) -> int:
                           not args.no_cache, eos)
     dt = time.perf_counter() - t0
     mode = "encoder-decoder" if seq2seq else ("no cache" if args.no_cache else "KV cache")
+    mode += ", MTP speculative" if spec is not None else ""
     print(f"generated {new_BN.numel()} tokens in {dt:.2f} s ({new_BN.numel() / dt:.1f} tokens/s, "
           f"{mode}, {'greedy' if sampling.temperature == 0 else f'seed {args.seed}'})")
     for i, row in enumerate(new_BN.tolist()):
@@ -105,7 +119,28 @@ def _generate(args) -> int:
         print(f"{head}\n{text if seq2seq else args.prompt + text}")
     if recorder is not None:
         _record(args, run, recorder, prompt_BP, new_BN, len(prompt))
+    if spec is not None:
+        print(f"MTP drafts accepted: {spec.accepted}/{spec.drafted} ({spec.acceptance:.1%}); "
+              f"{spec.drafted + len(new_BN)} main-model forwards for {new_BN.numel()} tokens "
+              f"(plain greedy: {new_BN.numel()})")
     return 0
+
+
+def _speculative(run, prompt_BP, max_new: int, eos):
+    """Each sample's greedy tokens by MTP self-speculation (one sequence at a time), padded
+    with eos to one length as generate pads; and the drafts' counts over all samples."""
+    import torch
+
+    from models.generation import Speculation, generate_mtp_speculative
+    if getattr(run.model, "mtp", None) is None:
+        raise ValueError("--speculative mtp needs a run trained with model.mtp_depth >= 1 "
+                         "(this one has no MTP depth)")
+    spec, rows = Speculation(), []
+    for row in prompt_BP.split(1):
+        rows.append(generate_mtp_speculative(run.model, row, max_new, eos, spec))
+    width = max(r.shape[1] for r in rows)
+    fill = eos if eos is not None else 0
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=fill) for r in rows]), spec
 
 
 def _record(args, run, recorder, prompt_BP, new_BN, prompt_len: int) -> None:

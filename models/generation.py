@@ -99,3 +99,59 @@ def generate_seq2seq(model, source_BS: torch.Tensor, max_new: int, sampling: Sam
         if bool(done_B.all()):
             break
     return tgt_BT[:, 1:]
+
+
+@dataclass
+class Speculation:
+    """What self-speculative decoding with the MTP depth did: drafts made and accepted."""
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@torch.no_grad()
+def generate_mtp_speculative(model, prompt_1P: torch.Tensor, max_new: int, eos_id=None,
+                             stats: Speculation | None = None) -> torch.Tensor:
+    """Greedy new tokens [1, N <= max_new] of a GPT with MTP (model.mtp_depth >= 1), the
+    same tokens `generate` gives at temperature 0, in fewer passes of the main model: depth 1
+    drafts token n+1 from the main model's last hidden state and the embedding of token n;
+    one forward of the main model over (token n, draft) both checks the draft (its greedy
+    token at n equals the draft: accepted) and gives the token after it, so an accepted draft
+    adds two tokens per forward, a rejected one the main model's own token (the draft's
+    position leaves the KV cache). One sequence at a time (its cache length is its own).
+    Invariant: the main and the MTP caches hold positions < n; tokens t_0..t_n are known."""
+    stats = stats if stats is not None else Speculation()
+    depth, cache, mtp_cache = model.mtp[0], model.new_cache(), model.new_cache().layers[0]
+    h_1PD = model.hidden(prompt_1P, cache)
+    tok = model.logits(h_1PD[:, -1:]).argmax(-1)                       # t_n, n = P
+    known = torch.cat([prompt_1P, tok], dim=1)
+    draft = _draft(model, depth, mtp_cache, h_1PD, known[:, 1:])      # t_{n+1}
+    new, stop = [tok], eos_id is not None and int(tok) == eos_id
+    while len(new) < max_new and not stop:
+        n = known.shape[1] - 1
+        h_12D = model.hidden(torch.cat([known[:, -1:], draft], dim=1), cache)
+        greedy = model.logits(h_12D).argmax(-1)                         # t_{n+1}, t_{n+2}
+        stats.drafted += 1
+        if bool((greedy[:, 0] == draft[:, 0]).all()):
+            stats.accepted += 1
+            got, h_used = greedy, h_12D
+        else:
+            cache.truncate(n + 1)                                       # forget the draft's position
+            got, h_used = greedy[:, :1], h_12D[:, :1]
+        known = torch.cat([known, got], dim=1)
+        new.extend(got.split(1, dim=1))
+        stop = eos_id is not None and bool((got == eos_id).any())
+        draft = _draft(model, depth, mtp_cache, h_used, got)
+    out = torch.cat(new, dim=1)[:, :max_new]
+    eos = [] if eos_id is None else (out[0] == eos_id).nonzero().flatten().tolist()
+    return out[:, :eos[0] + 1] if eos else out  # as generate: up to the first eos
+
+
+def _draft(model, depth, mtp_cache, h_1SD, next_1S) -> torch.Tensor:
+    """MTP depth 1 over new positions (their main hidden states and the tokens after them):
+    the greedy draft [1, 1] of the token after the last one known."""
+    h1_1SD = depth(h_1SD, model.embed(next_1S, mtp_cache.length), cache=mtp_cache)
+    return model.lm_head(depth.norm(h1_1SD[:, -1:])).argmax(-1)

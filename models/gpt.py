@@ -62,15 +62,24 @@ class GPT(nn.Module):
         labels_BS (training, with mtp): the next-token targets; the MTP depths then run and
         leave their cross entropies [K] in self.mtp_loss (the trainer weights and adds them,
         as it does the MoE layers' aux_loss). The logits are the main model's either way."""
+        h_BSD = self.hidden(input_ids_BS, cache)
+        self.mtp_loss = None
+        if self.mtp is not None and labels_BS is not None:
+            self.mtp_loss = mtp_losses(self, h_BSD, labels_BS)
+        return self.logits(h_BSD)
+
+    def hidden(self, input_ids_BS: torch.Tensor, cache=None) -> torch.Tensor:
+        """The last block's output [B, S, D] (before the final norm; what MTP depth 1 reads)."""
         h_BSD = input_ids_BS
         if self.tok_emb is not None:
             # context parallelism replaces embed with a one-argument function (no cache there)
             h_BSD = self.embed(input_ids_BS) if cache is None else self.embed(input_ids_BS, cache.length)
         for i, block in enumerate(self.blocks):
             h_BSD = block(h_BSD) if cache is None else block(h_BSD, cache.layers[i])
-        self.mtp_loss = None
-        if self.mtp is not None and labels_BS is not None:
-            self.mtp_loss = mtp_losses(self, h_BSD, labels_BS)
+        return h_BSD
+
+    def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head (each skipped where a pipeline split removed it)."""
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
         if self.lm_head is not None:

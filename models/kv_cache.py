@@ -27,6 +27,11 @@ class LayerKV:
             self.v_BHLD = torch.cat((self.v_BHLD, v_BHSD), dim=2)
         return self.k_BHLD, self.v_BHLD
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from `length` on (a rejected speculative token)."""
+        if self.k_BHLD is not None:
+            self.k_BHLD, self.v_BHLD = self.k_BHLD[:, :, :length], self.v_BHLD[:, :, :length]
+
     def select(self, rows) -> None:
         """Keep the given sequences (rows of B), e.g. those still decoding."""
         if self.k_BHLD is not None:
@@ -42,6 +47,10 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
+
+    def truncate(self, length: int) -> None:
+        for kv in self.layers:
+            kv.truncate(length)
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for kv in self.layers

@@ -35,10 +35,11 @@ class MTPDepth(nn.Module):
         self.block = block
         self.norm = make_norm(m.norm, m.d_model, m.norm_eps, m.bias)
 
-    def forward(self, h_BSD: torch.Tensor, e_BSD: torch.Tensor) -> torch.Tensor:
-        """h^k from h^{k-1} and the embeddings of the tokens k ahead (before norm)."""
+    def forward(self, h_BSD: torch.Tensor, e_BSD: torch.Tensor, cache=None) -> torch.Tensor:
+        """h^k from h^{k-1} and the embeddings of the tokens k ahead (before norm); cache: the
+        block's models/kv_cache.LayerKV when decoding (models/generation.py)."""
         x_BSD = self.eh_proj(torch.cat([self.enorm(e_BSD), self.hnorm(h_BSD)], dim=-1))
-        return self.block(x_BSD)
+        return self.block(x_BSD) if cache is None else self.block(x_BSD, cache)
 
 
 def shifted_labels(labels_BS: torch.Tensor, depth: int) -> list:

@@ -4,7 +4,8 @@ MTP layer in and out of a run.
 - model.mtp_depth=2 on the tiny MoE GPT: every step logs mtp_loss_1 and mtp_loss_2, the
   main loss differs from a run without MTP only through training (equal at step 1: the MTP
   loss is added, not mixed in), and dp2 x ep2 logs one process's main and MTP losses
-  (1e-4 relative, tests/e2e/test_train.py's rule); its checkpoint resumes under one process.
+  (1e-4 relative, tests/e2e/test_train.py's rule); its checkpoint resumes under one process;
+  trainer.generate --speculative mtp prints the plain greedy text and an acceptance rate.
 - hf.weights: a DeepSeek-V3-shaped checkpoint (a tiny transformers DeepseekV3ForCausalLM's
   tensors in the published names, with an MTP layer) starts a dp2 x ep2 run (each rank takes
   its experts); one step at lr 1e-30 with the bias update off changes nothing, and
@@ -45,6 +46,16 @@ def test_mtp_trains_under_dp_ep_like_one_process_and_resumes(tmp_path, cache):
     assert close(plain[1], ref[1][0], 1e-6)  # same weights and batch: the MTP adds a loss only
     assert all("mtp_loss_1" not in r for r in records(off))
     resume_after_step3(par, common, tmp_path, {s: v[0] for s, v in ref.items()}, 1e-4)
+    # greedy text of the trained checkpoint: the same with the MTP depth drafting
+    texts = {}
+    for mode in ("off", "mtp"):
+        done = subprocess.run([sys.executable, "-m", "trainer.generate", str(one), "--prompt",
+                               "def f(x):", "--temperature", "0", "--max-new-tokens", "40",
+                               "--speculative", mode], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        texts[mode] = done.stdout.split("--- sample 1", 1)[1].split("MTP drafts")[0]
+    assert texts["mtp"] == texts["off"]
+    assert "MTP drafts accepted: " in done.stdout, done.stdout[-500:]
 
 
 def _tiny_deepseek(tmp_path):
