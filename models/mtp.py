@@ -64,10 +64,18 @@ def mtp_losses(model, h_BSD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Ten
     the cp ranks) gives each depth's ids, targets and the count the loss divides by."""
     losses = []
     for depth, (ids_BS, tgt_BS, count) in zip(model.mtp, model.mtp_labels(labels_BS, len(model.mtp))):
-        h_BSD = depth(h_BSD, model.embed(ids_BS))
+        h_BSD = depth(h_BSD, _embed_ahead(model, ids_BS))
         logits_BSV = model.lm_head(depth.norm(h_BSD))
         losses.append(mean_token_loss(logits_BSV, tgt_BS, count))
     return torch.stack(losses)
+
+
+def _embed_ahead(model, ids_BS: torch.Tensor) -> torch.Tensor:
+    """The shared embedding of the tokens ahead; on a pipeline's last stage, which holds no
+    tok_emb, through the head's weight, the same matrix there (tied: parallel/pipeline/mtp.py)."""
+    if model.tok_emb is not None:
+        return model.embed(ids_BS)
+    return model.drop(torch.nn.functional.embedding(ids_BS, model.lm_head.weight))
 
 
 def weighted_mtp_loss(model):

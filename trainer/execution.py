@@ -159,7 +159,7 @@ class Pipeline(Plain):
         # the runner returns task + aux; split off the aux part, summed over the stages
         aux = tr.par.pipeline_aux_loss().to(total.device)
         stats = {name: [layer.last_stats] for name, layer in tr.moe if layer.last_stats is not None}
-        return total.detach() - aux, aux, stats, None  # (MTP: refused under pp, plan_rules)
+        return total.detach() - aux, aux, stats, tr.par.pipeline.mtp_terms()
 
     def eval_chunk(self, tr) -> tuple:
         # the schedule splits each chunk into its fixed micro-batch count: the training shape

@@ -17,7 +17,9 @@ S tokens per sequence):
   time         2 x (matmul weights a token passes: attention 4 D^2, FFN g D F or
                K g D F_e + D E + N g D F_e) + 4 S D (scores and values), per token
   ends         stage 0: the embedding V D parameters (no matmul); last stage: the head,
-               2 V D per token and V D parameters (untied), plus 3 V per token for the loss
+               2 V D per token and V D parameters (untied), plus 3 V per token for the loss,
+               and each multi-token prediction depth (model.mtp_depth): a block as the last
+               one, its projection 2 D^2 and the head and loss once more
 tests/unit/test_pp_layers.py checks these parameter counts against the built model.
 """
 
@@ -60,7 +62,9 @@ def block_weights(model_cfg, moe_cfg, seq_len: int) -> tuple:
         times.append(2 * (attention + passed) + 2 * seq_len * model_cfg.attention_score_width())
         params.append(attention + held)
     head_params = 0 if model_cfg.tie_embeddings else V * D
-    return times, params, V * D, (2 * V * D + 3 * V, head_params)
+    K = getattr(model_cfg, "mtp_depth", 0)  # the depths sit with the head (pipeline/mtp.py)
+    head_time = 2 * V * D + 3 * V + K * (times[-1] + 2 * 2 * D * D + 2 * V * D + 3 * V)
+    return times, params, V * D, (head_time, head_params + K * (params[-1] + 2 * D * D))
 
 
 def balanced(times, params, num_stages: int, first=(0, 0), last=(0, 0)) -> list:

@@ -32,6 +32,8 @@ class PipelineRunner:
         self.chunks, self.stage_ids, self.loss_fn = chunks, stage_ids, loss_fn
         self.schedule, self.eval_schedule, self._aux = None, None, []
         self._stage_aux = torch.zeros(())
+        self.mtp = None         # the last stage's pipeline/mtp.StageMTP (set by split_pipeline)
+        self._mtp_terms = None  # the depths' losses [K] of the last step, on every pp rank
         for m in model.modules():
             if isinstance(m, MoELayer):
                 m.register_forward_hook(self._record_aux)
@@ -82,9 +84,19 @@ class PipelineRunner:
         n = mb * sum(isinstance(m, MoELayer) for m in self.model.modules())
         aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / mb if n else zero
         self._stage_aux = aux  # kept apart from _aux, which later (eval) forwards append to
-        total = (task + aux).reshape(1)
+        depth = getattr(self.model.model_cfg, "mtp_depth", 0) if hasattr(self.model, "model_cfg") else 0
+        mtp = self.mtp.take(mb, device) if self.mtp is not None else torch.zeros(depth, device=device)
+        if self.mtp is not None:  # the losses hold the weighted MTP part: report it apart
+            task = task - self.mtp.coef / depth * mtp.sum()
+        total = torch.cat([(task + aux).reshape(1), mtp])
         dist.all_reduce(total, group=self.meshes.group("pp"))
+        self._mtp_terms = total[1:] if depth else None
         return total[0]
+
+    def mtp_terms(self):
+        """The MTP depths' losses [K] of the last step() (mean over micro-batches), the same on
+        every pp rank; None without MTP."""
+        return self._mtp_terms
 
     def drain(self) -> None:
         """Nothing in flight between steps: the synchronous schedules flush every step (2bw

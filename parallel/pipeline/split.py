@@ -62,6 +62,26 @@ def split_pipeline(model, plan, meshes, loss_fn, baton=None):
         model.norm, model.lm_head = None, None
     if len(chunks) == 1:
         chunks = [model]  # the pruned model itself is the stage (FSDP2 root hooks fire)
+    stage_mtp = _keep_mtp_on_last(model, chunks, stages, n, loss_fn)
+    if stage_mtp is not None:
+        loss_fn = stage_mtp.loss
     inject_aux_loss(model)
     runner = TwoBWRunner if SCHEDULES[plan.pp_schedule].asynchronous else PipelineRunner
-    return runner(plan, meshes, model, chunks, stages, loss_fn, baton)
+    out = runner(plan, meshes, model, chunks, stages, loss_fn, baton)
+    out.mtp = stage_mtp
+    return out
+
+
+def _keep_mtp_on_last(model, chunks, stages, n: int, loss_fn):
+    """The MTP depths on the last stage only (parallel/pipeline/mtp.py), or None."""
+    if getattr(model, "mtp", None) is None:
+        return None
+    last = chunks[stages.index(n - 1)] if n - 1 in stages else None
+    for chunk in chunks:
+        if chunk is not last:
+            chunk.mtp = None  # (a shell's modules dict is its own)
+    if last is None:
+        model.mtp = None  # not this rank's parameters
+        return None
+    from .mtp import StageMTP
+    return StageMTP(last, loss_fn, last.model_cfg.mtp_loss_coef, len(last.mtp))

@@ -11,13 +11,20 @@ from .recompute import _check_recompute_model
 from .tensor import _check_grid_model, _check_tp_attention
 
 
-def _check_mtp_layout(p: ParallelPlan, depth: int) -> None:
-    """Multi-token prediction runs under dp, ZeRO, FSDP, 1-D tp, ep/etp and cp; not yet under
-    pp (its depths belong on the last stage with a copy of the embedding) or the 2-D grid."""
+def _check_mtp_layout(p: ParallelPlan, m, depth: int) -> None:
+    """Multi-token prediction runs under dp, ZeRO, FSDP, 1-D tp, ep/etp and cp, and under pp
+    on the last stage with tied embeddings, without tp or ZeRO-3 there
+    (parallel/pipeline/mtp.py); not under the 2-D grid."""
     if depth and p.pp > 1:
-        raise _err(f"model.mtp_depth={depth} with parallel.pp={p.pp}: multi-token prediction under "
-                   f"pipeline parallelism is not built yet; set parallel.pp=1 (dp, ZeRO, tp, ep, cp "
-                   f"work) or model.mtp_depth=0")
+        why = ("model.tie_embeddings=false (the last stage reads the embedding through the head "
+               "it shares; an untied copy there is not built yet)" if not getattr(m, "tie_embeddings", True)
+               else f"parallel.tp={p.tp} (the depths run outside the sharded stage)" if p.tp > 1
+               else "parallel.zero=3 (the depths run outside the stage's forward, where FSDP2 "
+                    "keeps its parameters sharded)" if p.zero == 3 else "")
+        if why:
+            raise _err(f"model.mtp_depth={depth} with parallel.pp={p.pp} and {why}; use "
+                       f"pp with tied embeddings, tp=1 and zero<=2, or parallel.pp=1, or "
+                       f"model.mtp_depth=0")
     if depth and p.tp > 1 and p.tp_mode != "1d":
         raise _err(f"model.mtp_depth={depth} with parallel.tp_mode={p.tp_mode}: multi-token "
                    f"prediction runs under 1-D tensor parallelism only; set parallel.tp_mode=1d")
@@ -40,7 +47,7 @@ def _check_model(p: ParallelPlan, m, moe_cfg) -> None:
         _check_grid_model(p, m, moe_cfg)
     if p.cp > 1:
         _check_cp_model(p, m, moe_cfg)
-    _check_mtp_layout(p, getattr(m, "mtp_depth", 0))
+    _check_mtp_layout(p, m, getattr(m, "mtp_depth", 0))
     if p.pp > 1 and p.pp_schedule == "2bw" and getattr(m, "tie_embeddings", False):
         raise _err("parallel.pp_schedule=2bw with model.tie_embeddings=true: the first and last "
                    "stage would update one weight from two stashed versions; set "

@@ -13,10 +13,13 @@ bound is fp32's, 2e-6 relative (30 u of fp32), on the per-step losses and norms,
 test_context_parallel.py checks cp; their parameters are not compared, since Adam turns an
 fp32 rounding of a near-zero gradient into a step of up to lr (rule 5; measured: one expert
 weight of 8192 off by 1.8e-6 after 5 steps). A shift that fetched the wrong tokens would move
-the MTP losses at the first step by far more than the bound.
+the MTP losses at the first step by far more than the bound. A pipeline reports its losses
+through fp32 (parallel/pipeline/runner.py): its rows take the cp bound on the reported
+losses, and the fp64 bounds on the norm's and parameters' fp64 arithmetic.
 Under cp the labels cross the cp ranks (the shift fetches the neighbour's first tokens) and
 the masked last positions all sit on one rank; under tp the depths' norms and projection run
-on the sequence shards.
+on the sequence shards; under pp the depths run on the last stage, reading the embedding
+through the head it shares with the first stage (tied), and the schedule's loss carries them.
 """
 import pytest
 import torch
@@ -36,7 +39,10 @@ W2 = [("tp2", dict(tp=2), 1),
       ("cp2_ring_depth2", dict(cp=2), 2),
       ("dp2_zero3", dict(dp=2, zero=3), 1),
       ("dp2_ep2_zero1", dict(dp=2, ep=2, zero=1), 1)]
-W4 = [("tp2_dp2_ep2_depth2", dict(tp=2, dp=2, ep=2), 2)]
+W4 = [("tp2_dp2_ep2_depth2", dict(tp=2, dp=2, ep=2), 2),
+      # the depths on the last stage, reading the embedding through the tied head
+      ("pp2_1f1b", dict(pp=2, microbatches=2), 1),
+      ("pp2_dp2_ep2_zero1_depth2", dict(pp=2, dp=2, ep=2, zero=1, microbatches=2), 2)]
 
 
 def _configs(depth):
@@ -81,8 +87,13 @@ def _worker(rank, world, layouts):
         opt = par.prepare_optimizer(dc.adamw_of(par.model))
         steps = []
         for step in range(dc.STEPS):
-            loss, parts = _losses(par.model, *dc.my_rows(par, *dc.batch(step)))
-            loss.backward()
+            x, y = dc.my_rows(par, *dc.batch(step))
+            if plan.pp > 1:  # the schedule's forward and backward; the depths on the last stage
+                total = par.pipeline_step(x, y)
+                parts = torch.cat([(total - par.pipeline_aux_loss()).reshape(1), par.pipeline.mtp_terms()])
+            else:
+                loss, parts = _losses(par.model, x, y)
+                loss.backward()
             norm = par.clip_grad_norm_(dc.CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -91,7 +102,8 @@ def _worker(rank, world, layouts):
         params = {}
         for n, p in par.model.named_parameters():
             p = p.full_tensor() if hasattr(p, "full_tensor") else p
-            params[n] = local(p).detach()
+            # a pipeline's last stage holds the tied embedding under the head's name
+            params["tok_emb.weight" if n == "lm_head.weight" else n] = local(p).detach()
         out[name] = (steps, params, dict(ep=plan.ep, ep_rank=meshes.rank("ep")))
     return out
 
@@ -102,14 +114,16 @@ def _check(world, layouts, timeout):
     for name, spec, depth in layouts:
         ref_steps, ref_params = refs[depth]
         cp = spec.get("cp", 1) > 1
-        rtol = CP_RTOL if cp else RTOL
+        # a pipeline reports its losses through fp32 (runner.py), its training stays fp64
+        rtol = CP_RTOL if cp or spec.get("pp", 1) > 1 else RTOL
         for rank, rank_out in enumerate(results):
             steps, params, ep = rank_out[name]
             assert len(steps[0]) == depth + 2, f"{name}: {steps[0]}"
             for step, (got, want) in enumerate(zip(steps, ref_steps)):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=0,
                                            msg=lambda m: f"{name} rank {rank} step {step}: {m}")
-            assert set(params) == set(ref_params), f"{name}: {set(params) ^ set(ref_params)}"
+            if spec.get("pp", 1) == 1:
+                assert set(params) == set(ref_params), f"{name}: {set(params) ^ set(ref_params)}"
             for n, p in ({} if cp else params).items():
                 want = ref_params[n]
                 if ".experts." in n and ep["ep"] > 1:  # this rank's experts
@@ -117,6 +131,10 @@ def _check(world, layouts, timeout):
                     want = want[ep["ep_rank"] * L:(ep["ep_rank"] + 1) * L]
                 torch.testing.assert_close(p, want, rtol=0, atol=PARAM_ATOL,
                                            msg=lambda m: f"{name} rank {rank} {n}: {m}")
+        if spec.get("pp", 1) > 1:  # every parameter on some stage, the depths on the last
+            held = set().union(*(set(r[name][1]) for r in results))
+            assert held == set(ref_params), f"{name}: {held ^ set(ref_params)}"
+            assert all(n.startswith("mtp.") is False for n in results[0][name][1]), name
         assert ref_steps[-1][1] < ref_steps[0][1], f"{name}: the MTP loss did not fall: {ref_steps}"
 
 

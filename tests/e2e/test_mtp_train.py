@@ -3,7 +3,8 @@ MTP layer in and out of a run.
 
 - model.mtp_depth=2 on the tiny MoE GPT: every step logs mtp_loss_1 and mtp_loss_2, the
   main loss differs from a run without MTP only through training (equal at step 1: the MTP
-  loss is added, not mixed in), and dp2 x ep2 logs one process's main and MTP losses
+  loss is added, not mixed in), and dp2 x ep2 and pp2 (1F1B, the depths on the last stage)
+  log one process's main and MTP losses
   (1e-4 relative, tests/e2e/test_train.py's rule); its checkpoint resumes under one process;
   trainer.generate --speculative mtp prints the plain greedy text and an acceptance rate.
 - hf.weights: a DeepSeek-V3-shaped checkpoint (a tiny transformers DeepseekV3ForCausalLM's
@@ -36,11 +37,14 @@ def test_mtp_trains_under_dp_ep_like_one_process_and_resumes(tmp_path, cache):
     line = next(s for s in out.stdout.splitlines() if s.startswith("step 1/"))
     assert " mtp " in line, line  # the log line shows the depths' losses
     train(common + ["parallel.dp=2", "parallel.ep=2", f"run.dir={par}"], tmp_path, nproc=2)
-    ref, got = _mtp(one), _mtp(par)
-    assert sorted(got) == list(range(1, 7))
-    for step in ref:
-        for a, b in zip(got[step], ref[step]):
-            assert close(a, b, 1e-4), (step, got[step], ref[step])
+    pipe = tmp_path / "pipe"  # the depths on the last stage, the embedding through the tied head
+    train(common + ["parallel.pp=2", "parallel.microbatches=2", f"run.dir={pipe}"], tmp_path, nproc=2)
+    ref = _mtp(one)
+    for got in (_mtp(par), _mtp(pipe)):
+        assert sorted(got) == list(range(1, 7))
+        for step in ref:
+            for a, b in zip(got[step], ref[step]):
+                assert close(a, b, 1e-4), (step, got[step], ref[step])
     train(TINY + ROWS + [f"data.cache_dir={cache}", f"run.dir={off}"], tmp_path)
     plain = {r["step"]: r["loss"] for r in records(off)}
     assert close(plain[1], ref[1][0], 1e-6)  # same weights and batch: the MTP adds a loss only
