@@ -16,7 +16,6 @@ import copy
 
 import torch.nn as nn
 
-from models.blocks import blocks
 from moe.aux import inject_aux_loss
 
 from .layers import stage_blocks
