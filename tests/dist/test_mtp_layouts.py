@@ -38,7 +38,11 @@ W2 = [("tp2", dict(tp=2), 1),
       ("cp2_ring", dict(cp=2), 1),
       ("cp2_ring_depth2", dict(cp=2), 2),
       ("dp2_zero3", dict(dp=2, zero=3), 1),
-      ("dp2_ep2_zero1", dict(dp=2, ep=2, zero=1), 1)]
+      ("dp2_ep2_zero1", dict(dp=2, ep=2, zero=1), 1),
+      # recomputation reaches the depths' blocks (models.blocks.blocks lists them)
+      ("dp2_ep2_recompute_full", dict(dp=2, ep=2, recompute="full"), 1),
+      ("dp2_ep2_recompute_selective", dict(dp=2, ep=2, recompute="selective",
+                                           recompute_modules="moe_act,experts,core_attn"), 2)]
 W4 = [("tp2_dp2_ep2_depth2", dict(tp=2, dp=2, ep=2), 2),
       # the depths on the last stage, reading the embedding through the tied head
       ("pp2_1f1b", dict(pp=2, microbatches=2), 1),

@@ -3,8 +3,9 @@ MTP layer in and out of a run.
 
 - model.mtp_depth=2 on the tiny MoE GPT: every step logs mtp_loss_1 and mtp_loss_2, the
   main loss differs from a run without MTP only through training (equal at step 1: the MTP
-  loss is added, not mixed in), and dp2 x ep2 and pp2 (1F1B, the depths on the last stage)
-  log one process's main and MTP losses
+  loss is added, not mixed in), and dp2 x ep2, pp2 (1F1B, the depths on the last stage) and
+  dp2 x ep2 with the all-to-all overlap (a2a_overlap=1f1b over micro-batches of 2) log one
+  process's main and MTP losses
   (1e-4 relative, tests/e2e/test_train.py's rule); its checkpoint resumes under one process;
   trainer.generate --speculative mtp prints the plain greedy text and an acceptance rate.
 - hf.weights: a DeepSeek-V3-shaped checkpoint (a tiny transformers DeepseekV3ForCausalLM's
@@ -39,8 +40,11 @@ def test_mtp_trains_under_dp_ep_like_one_process_and_resumes(tmp_path, cache):
     train(common + ["parallel.dp=2", "parallel.ep=2", f"run.dir={par}"], tmp_path, nproc=2)
     pipe = tmp_path / "pipe"  # the depths on the last stage, the embedding through the tied head
     train(common + ["parallel.pp=2", "parallel.microbatches=2", f"run.dir={pipe}"], tmp_path, nproc=2)
+    lap = tmp_path / "overlap"  # micro-batch i+1's forward beside i's backward, depths included
+    train(common + ["parallel.dp=2", "parallel.ep=2", "parallel.a2a_overlap=1f1b",
+                    "train.micro_batch_size=2", f"run.dir={lap}"], tmp_path, nproc=2)
     ref = _mtp(one)
-    for got in (_mtp(par), _mtp(pipe)):
+    for got in (_mtp(par), _mtp(pipe), _mtp(lap)):
         assert sorted(got) == list(range(1, 7))
         for step in ref:
             for a, b in zip(got[step], ref[step]):
