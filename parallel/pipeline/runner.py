@@ -26,14 +26,14 @@ class PipelineRunner:
     """
 
     has_grads = True  # step() leaves a gradient to reduce and apply (2bw's first does not)
+    mtp = None        # the last stage's pipeline/mtp.StageMTP (set by split_pipeline)
+    _mtp_terms = None  # the depths' losses [K] of the last step, on every pp rank
 
     def __init__(self, plan, meshes, model, chunks, stage_ids, loss_fn, baton=None):
         self.plan, self.meshes, self.model, self.baton = plan, meshes, model, baton
         self.chunks, self.stage_ids, self.loss_fn = chunks, stage_ids, loss_fn
         self.schedule, self.eval_schedule, self._aux = None, None, []
         self._stage_aux = torch.zeros(())
-        self.mtp = None         # the last stage's pipeline/mtp.StageMTP (set by split_pipeline)
-        self._mtp_terms = None  # the depths' losses [K] of the last step, on every pp rank
         for m in model.modules():
             if isinstance(m, MoELayer):
                 m.register_forward_hook(self._record_aux)
