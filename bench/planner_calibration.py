@@ -1,6 +1,10 @@
 """The planner against published MoE training runs: predicted vs published tokens/s per GPU.
 
-    python bench/planner_calibration.py
+    python bench/planner_calibration.py [--best]
+
+--best also runs the planner's search for each model on its first row's GPUs and features
+and prints the layout it ranks first beside the published one, with the parts of the step
+that make the difference (issue 61: a claim to check on a cluster, not a measurement).
 
 Each run is predicted by `python -m parallel.planner --layout` on the shipped config of its
 model, the H100 preset (H800 for DeepSeek-V3; hardware.py: one set of constants per preset,
@@ -96,11 +100,52 @@ def check(config: str, world: int, layout: str, overrides: list) -> dict:
     return json.loads(out.getvalue())["layout"]
 
 
+def search_best(config: str, world: int, overrides: list):
+    """The planner's own best layout (its search, --json) for a row's model, GPUs and
+    features; None when nothing fits."""
+    hw = next((o[len(HW):] for o in overrides if o.startswith(HW)), "h100")
+    overrides = [o for o in overrides if not o.startswith(HW)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = plan_main(["--config", str(ROOT / "configs" / "models" / f"{config}.toml"), "--world",
+                        str(world), "--hw", hw, "--json", *overrides])
+    fits = json.loads(out.getvalue())["fits"] if rc == 0 else []
+    return fits[0] if fits else None
+
+
+def _slowest(pred: dict) -> dict:
+    return max(pred["ranks"], key=lambda r: r["step_s"])["breakdown_s"]
+
+
+def print_best(rows: list) -> None:
+    """Per model (its first row's GPUs and features): the search's best layout beside the
+    published one, tokens/s per GPU both predicted, and the parts of the slowest stage's
+    step that differ most (negative: the best layout spends less there)."""
+    print("the planner's own best layout beside the published one (predicted tokens/s per GPU;"
+          " the slowest stage's parts that differ most, best - published, s):")
+    seen = set()
+    for name, config, world, layout, overrides, pred in rows:
+        model = name.split(",")[0]
+        if model in seen:
+            continue
+        seen.add(model)
+        best = search_best(config, world, overrides)
+        if best is None:
+            print(f"  {model}: the search finds no layout that fits")
+            continue
+        mine, theirs = _slowest(best), _slowest(pred)
+        diff = sorted(((mine.get(k, 0.0) - theirs.get(k, 0.0), k) for k in set(mine) | set(theirs)),
+                      key=lambda d: -abs(d[0]))
+        got, pub = best["tokens_per_s_per_gpu"], pred["tokens_per_s"] / world
+        print(f"  {model}: {best['name']} {got:.0f} vs {layout} {pub:.0f} ({got / pub:.2f}x): "
+              + ", ".join(f"{k} {d:+.2f}" for d, k in diff[:3]))
+
+
 def main() -> int:
     warnings.filterwarnings("ignore", message=r"MoELayer\(force_balance=True\)")  # the NeMo runs'
     print(f"{'run':36s} {'GPUs':>5s}  {'layout':44s} {'published':>10s} {'predicted':>10s}  "
           f"pred/pub  {'bound':>6s}  fits (peak GB)  differs")
-    gains, parts = {}, []
+    gains, parts, rows = {}, [], []
     for name, config, world, layout, overrides, published, unit, differs in RUNS:
         pred = check(config, world, layout, overrides)
         overlap = OVERLAP[0] in overrides
@@ -114,6 +159,7 @@ def main() -> int:
               f"  {bound / pub:6.2f}  {'yes' if pred['fits'] else 'no':>4s} ({pred['peak_bytes'] / 1e9:6.1f})"
               f"  {differs}")
         parts.append((name, pred))
+        rows.append((name, config, world, layout, overrides, pred))
         if "overlap o" in name:  # the pairs measured with and without the overlap
             gains.setdefault(name.split(",")[0], {})["overlap on" in name] = (got, pub)
     print("tokens/s per GPU; the overlap's gain (on / off - 1), predicted vs published:")
@@ -132,6 +178,8 @@ def main() -> int:
         shares = sorted(((v / stage["step_s"], k) for k, v in stage["breakdown_s"].items()),
                         key=lambda kv: -abs(kv[0]))
         print(f"  {name}: " + ", ".join(f"{k} {f:.0%}" for f, k in shares if abs(f) >= 0.03))
+    if "--best" in sys.argv[1:]:
+        print_best(rows)
     return 0
 
 

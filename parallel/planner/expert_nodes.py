@@ -67,6 +67,8 @@ def nodes_per_token(w, nodes: EpNodes) -> float:
     if per_node == 0:  # more nodes than experts (a structure the search bounds before its
         return float(min(K, M))  # validation refuses it): each expert on its own node
     reach = M * per_node
+    if reach < K:  # M nodes hold fewer than K experts (a structure validation refuses, met by
+        return float(min(n, -(-K // per_node)))  # the search's bound): the fewest nodes with K
     return M * (1 - comb(reach - per_node, K) / comb(reach, K))
 
 

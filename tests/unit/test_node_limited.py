@@ -209,3 +209,16 @@ def test_profiler_reports_nodes_per_token_from_the_routed_ids():
     assert "nodes per token (of 4, max_nodes=1): mean 1.00, max 1" in out.getvalue()
     with pytest.raises(ValueError, match="--nodes=3 for layer 1: expert_nodes=3"):
         declare_expert_nodes(model, 3)
+
+
+def test_nodes_per_token_where_the_allowed_nodes_hold_fewer_than_top_k_experts():
+    """The search's bound meets structures validation refuses: 256 experts over 256 nodes, a
+    token's 8 experts allowed on 4 nodes. The count is the fewest nodes holding 8 experts
+    (was: a division by zero that stopped the search)."""
+    from types import SimpleNamespace
+
+    from parallel.planner.expert_nodes import EpNodes, nodes_per_token
+    w = SimpleNamespace(nodes_per_token=0,
+                        moe_cfg=SimpleNamespace(num_experts=256, top_k=8, max_nodes=4))
+    assert nodes_per_token(w, EpNodes(ep=256, per=1, count=256)) == 8.0
+    assert nodes_per_token(w, EpNodes(ep=256, per=2, count=128)) == 4.0  # reach 8 = K: all 4
