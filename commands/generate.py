@@ -102,7 +102,10 @@ def _generate(args) -> int:
         new_BN = generate_seq2seq(run.model, prompt_BP, args.max_new_tokens, sampling, gen, eos)
     elif args.record_routing:
         from moe.replay import RoutingRecorder
-        with RoutingRecorder(run.model) as recorder:
+        # the main model's layers: decoding runs no MTP depth (they have no routes to record)
+        from moe.aux import moe_layers
+        main = [(n, m) for n, m in moe_layers(run.model) if not n.startswith("mtp.")]
+        with RoutingRecorder(run.model, main) as recorder:
             new_BN = generate(run.model, prompt_BP, args.max_new_tokens, sampling, gen, True, eos)
     else:
         new_BN = generate(run.model, prompt_BP, args.max_new_tokens, sampling, gen,

@@ -27,8 +27,10 @@ class RoutingRecorder:
     """Context manager: ids() -> long [B, L, S, K], every layer's choices over the calls made
     inside it, concatenated along the positions."""
 
-    def __init__(self, model):
-        self.layers = moe_layers(model)
+    def __init__(self, model, layers=None):
+        """layers: [(name, MoELayer)] to record (default: all of the model's; a caller whose
+        forward runs only some, e.g. a GPT's main blocks without its MTP depths, names them)."""
+        self.layers = moe_layers(model) if layers is None else list(layers)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no MoELayer: nothing to record")
         for name, layer in self.layers:

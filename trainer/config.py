@@ -421,6 +421,17 @@ def task_arch(cfg: Config) -> str:
     return HF_TASKS[cfg.hf.family] if cfg.hf.family else cfg.model.arch
 
 
+def _check_mtp(cfg: Config) -> None:
+    d = cfg.model.mtp_depth
+    _require(not (d and cfg.hf.family),
+             f"model.mtp_depth={d} builds moekit's own GPT's MTP depths; hf.family={cfg.hf.family!r} "
+             f"trains a transformers model, which has none: set model.mtp_depth=0 or drop hf.family")
+    _require(not (d and cfg.moe.router_replay),
+             f"model.mtp_depth={d} with moe.router_replay: the recorded routes cover the main "
+             f"model's MoE layers, the MTP depths' have none; set model.mtp_depth=0 or drop "
+             f"moe.router_replay")
+
+
 def _check_hf_weights(cfg: Config) -> None:
     if not cfg.hf.weights:
         return
@@ -492,6 +503,7 @@ def validate(cfg: Config, world_size: int):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_hf_layout(cfg, plan)
+    _check_mtp(cfg)
     _check_hf_weights(cfg)
     _check_replay(cfg, plan)
     _check_batching(cfg, plan)

@@ -127,3 +127,30 @@ def test_planner_layout_shows_what_mtp_costs():
     assert mtp["params"] == sum(t.numel() for n, t in model.named_parameters() if n.startswith("mtp."))
     assert 0 < mtp["flops_per_token"] < p.flops_per_token
     assert "multi-token prediction (2 depths" in layout_report(p, [], [], Hardware())
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["hf.family=llama"], "hf.family='llama' trains a transformers model"),
+    (["moe.router_replay=/tmp/x.pt"], "the recorded routes cover the main model's MoE layers"),
+    (["parallel.pp=2", "model.tie_embeddings=false"], "model.tie_embeddings=false"),
+    (["parallel.pp=2", "parallel.zero=3"], "parallel.zero=3"),
+])
+def test_train_refuses_what_mtp_cannot_do_in_one_line(extra, says):
+    from trainer.config import ConfigError, load_config, validate
+    cfg = load_config(None, ["model.mtp_depth=1"] + extra)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2 if any(x.startswith("parallel.pp") for x in extra) else 1)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_recording_routes_of_an_mtp_model_records_its_main_layers():
+    """Decoding runs no MTP depth: the recorder is given the main model's layers."""
+    from moe.aux import moe_layers
+    from moe.replay import RoutingRecorder
+    from models.generation import Sampling, generate
+    model = _model(1).float().eval()
+    main = [(n, m) for n, m in moe_layers(model) if not n.startswith("mtp.")]
+    assert len(main) < len(moe_layers(model))
+    with RoutingRecorder(model, main) as rec:
+        generate(model, torch.randint(0, V, (2, 4)), 3, Sampling(temperature=0.0))
+    assert rec.ids().shape[:2] == (2, len(main))
