@@ -70,6 +70,9 @@ def print_summary(report: dict, out) -> None:
         print(f"{r['name'][-40:]:40s} {r['imbalance']:6.2f} {r['cv']:6.2f} "
               f"{r['entropy']:5.2f}/{r['entropy_max']:<5.2f} {100 * r['dropped_fraction']:7.1f}% "
               f"{ranks:>15s}  {r['dead_experts'] or '-'}", file=out)
+    if report.get("not_run"):
+        print(f"not run by these forwards (no tokens to profile): {', '.join(report['not_run'])}",
+              file=out)
     for r in report["layers"]:
         n = r["nodes_per_token"]
         if n is not None:

@@ -223,7 +223,7 @@ def collect_load(model, batches, max_batches=None, ep=None, on_output=None) -> l
         for h in hooks:
             h.remove()
         model.train(was_training)
-    if tallies[0].tokens == 0:
+    if not any(t.tokens for t in tallies):
         raise ValueError("no batches were profiled: `batches` was empty")
     return tallies
 
@@ -273,10 +273,14 @@ def profile_model(model, batches, out_dir=None, tokenizer=None, *, max_batches=N
     experts and the most frequent token ids per expert (decoded when a tokenizer is given),
     rows per expert-parallel rank with and without replication (ep=(P, R): see collect_load),
     nodes per token when the layer's experts span several nodes (see the module docstring).
+    Layers the forward never ran (a GPT's multi-token prediction depths, which run only with
+    labels in training) are listed under "not_run" instead of as layers with every expert dead.
     """
     tallies = collect_load(model, batches, max_batches, ep, on_output)
-    layers = [layer_report(t, tokenizer, top_n) for t in tallies]
-    report = {"batches": len(tallies[0].pairs), "layers": layers, "summary": _summary(layers)}
+    ran = [t for t in tallies if t.tokens > 0]
+    layers = [layer_report(t, tokenizer, top_n) for t in ran]
+    report = {"batches": len(ran[0].pairs), "layers": layers, "summary": _summary(layers),
+              "not_run": [t.name for t in tallies if t.tokens == 0]}
     if out_dir is not None:
         write_outputs(report, out_dir, writer, step)
     return report

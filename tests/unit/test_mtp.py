@@ -154,3 +154,13 @@ def test_recording_routes_of_an_mtp_model_records_its_main_layers():
     with RoutingRecorder(model, main) as rec:
         generate(model, torch.randint(0, V, (2, 4)), 3, Sampling(temperature=0.0))
     assert rec.ids().shape[:2] == (2, len(main))
+
+
+def test_load_profile_of_an_mtp_model_lists_its_depths_as_not_run():
+    """Profiling runs the plain forward: the depths' MoE layers see no token and are listed
+    apart, not reported with every expert dead."""
+    from moe.profiling import profile_model
+    model = _model(1).float().eval()
+    report = profile_model(model, [torch.randint(0, V, (2, S))])
+    assert report["not_run"] == ["mtp.0.block.ffn"]
+    assert [r["name"] for r in report["layers"]] == ["blocks.1.ffn"]
