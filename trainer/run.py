@@ -311,8 +311,11 @@ def _describe(cfg, model) -> list:
     if cfg.hf.config:
         from models.hf_sizes import read_hf_config
         name += f" ({read_hf_config(cfg.hf.config).get('model_type')} architecture of {cfg.hf.config})"
+    depths = len(getattr(model, "mtp", None) or [])
+    in_mtp = sum(n.startswith("mtp.") for n, _ in layers)
+    mtp = f", {depths} MTP depth(s) ({in_mtp} of the MoE layers)" if depths else ""
     lines = [f"model: {name}, {counts['total'] / 1e6:.2f}M parameters, "
-             f"{counts['active_per_token'] / 1e6:.2f}M active per token, {len(layers)} MoE layer(s)"]
+             f"{counts['active_per_token'] / 1e6:.2f}M active per token, {len(layers)} MoE layer(s){mtp}"]
     if layers:  # the routing semantics the run trains with (adopted models: from their config)
         lines.append(f"routing ({layers[0][0]}): {layers[0][1].routing_summary()}")
     forced = [layer for _, layer in layers if layer.force_balance]
