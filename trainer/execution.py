@@ -34,21 +34,14 @@ class StepResult:
     norm: object = None         # the gradient norm before clipping (None: not taken)
     skipped: object = False     # False | "overflow" | "diverged"
     stop: bool = False          # a SIGTERM seen by any rank
+    mtp: object = None          # the MTP depths' losses [K] (dp-mean; on the device until read
+                                # under train.step_checks=device), or None without MTP
 
 
-def _record_mtp(rec: dict, values_K, held: bool) -> None:
-    """mtp_loss_1 ... mtp_loss_K (the depths' unweighted cross entropies, dp-mean) into the
-    step's record; held (device step checks): read with the held steps, in one copy."""
-    if not held:
-        rec.update({f"mtp_loss_{k + 1}": v for k, v in enumerate(values_K)})
-        return
-    read = {}
-
-    def value(k):
-        if not read:
-            read["v"] = values_K.tolist()
-        return read["v"][k]
-    rec.update({f"mtp_loss_{k + 1}": (lambda k=k: value(k)) for k in range(values_K.shape[0])})
+def mtp_fields(values_K) -> dict:
+    """{mtp_loss_1 ... mtp_loss_K: value} of a step's MTP depth losses (a list, or device
+    scalars until step_checks reads them), {} for None."""
+    return {f"mtp_loss_{k + 1}": v for k, v in enumerate([] if values_K is None else values_K)}
 
 
 class Plain:
@@ -88,13 +81,12 @@ class Plain:
         parts = [loss.reshape(1), aux.reshape(1)] + ([] if mtp_K is None else [mtp_K])
         mean = par.mean_over_dp(torch.cat(parts))
         if tr.checks is not None:  # read later, with the other held steps (step_checks.py)
-            _record_mtp(rec, mean[2:], held=True)
-            return StepResult(mean[0], mean[1], stats, norm, skipped)
+            return StepResult(mean[0], mean[1], stats, norm, skipped,
+                              mtp=None if mtp_K is None else mean[2:])
         values = mean.tolist()
         loss, aux = values[:2]
-        _record_mtp(rec, values[2:], held=False)
         skipped = "overflow" if overflow else "diverged" if diverged else False
-        return StepResult(loss, aux, stats, norm, skipped, stop)
+        return StepResult(loss, aux, stats, norm, skipped, stop, None if mtp_K is None else values[2:])
 
     def _forward_backward(self, tr, batch, scale: float):
         """(mean task loss, mean aux loss, {layer: [RoutingStats]}, mean MTP depth losses [K] or
@@ -185,7 +177,6 @@ class ParameterServer(Plain):
         tr.stager.fence()  # the pull writes the weights an async save may still be copying
         rec["ps_staleness"] = self.client.pull(n)
         loss, aux, stats, mtp_K = self._forward_backward(tr, tr.next_batch(), 1.0)
-        _record_mtp(rec, [] if mtp_K is None else mtp_K.tolist(), held=False)  # this worker's
         asked = tr.stop_request is not None and tr.stop_request.requested
         loss, aux, norm, skipped, stop_at = self.client.push(
             n, tr.sched.get_last_lr(), loss, aux, tr.cfg.train.grad_clip, stop=asked)
@@ -194,7 +185,8 @@ class ParameterServer(Plain):
         # every worker stops after the step the servers agreed (a SIGTERM seen by any worker),
         # so all enter the checkpoint's collectives together (ServerShard.stop_step)
         stop = stop_at is not None and n >= stop_at
-        return StepResult(loss, aux, stats, norm, "diverged" if skipped else False, stop)
+        return StepResult(loss, aux, stats, norm, "diverged" if skipped else False, stop,
+                          None if mtp_K is None else mtp_K.tolist())  # this worker's
 
     def settle(self, tr, n: int) -> None:
         """Every worker has pushed step n (a barrier), then each pulls the weights after it,

@@ -50,7 +50,8 @@ class DeviceChecks:
     def __init__(self, ctx, device: torch.device, host_group=None):
         self.ctx, self.device = ctx, device
         self.host_group = host_group  # gloo group for stop_agreed (None: gloo is the default group)
-        self.held = []  # (step, record, values [loss, aux, norm, skipped] on the device)
+        self.held = []  # (step, record, values [loss, aux, norm, skipped, *extras] on the
+                        # device, the extras' record keys)
         self.skips = torch.zeros((), dtype=torch.long, device=device)  # among self.held
         self.since = time.perf_counter()  # the first held step's start: they share the time since
 
@@ -94,11 +95,15 @@ class DeviceChecks:
         # index_select: indexing with a tensor (table[skips]) would read it on the host
         return table.to(self.device, non_blocking=True).index_select(0, self.skips.reshape(1)).reshape(())
 
-    def hold(self, n: int, rec: dict, loss, aux, norm, skipped: torch.Tensor) -> None:
+    def hold(self, n: int, rec: dict, loss, aux, norm, skipped: torch.Tensor, extras=None) -> None:
+        """Keep step n's values for the next read; extras: {record key: device scalar} read
+        in the same copy into the record (the MTP depths' losses)."""
+        extras = extras or {}
         nan = torch.full((), float("nan"), device=self.device)
         values = torch.stack([loss.detach().float().reshape(()), aux.detach().float().reshape(()),
-                              nan if norm is None else norm.detach().float().reshape(()), skipped])
-        self.held.append((n, rec, values))
+                              nan if norm is None else norm.detach().float().reshape(()), skipped,
+                              *(v.detach().float().reshape(()) for v in extras.values())])
+        self.held.append((n, rec, values, list(extras)))
         self.skips += skipped.long()
 
     def stop_agreed(self, requested: bool) -> bool:
@@ -110,11 +115,12 @@ class DeviceChecks:
     def read(self, sched) -> list:
         """[(step, record, loss, aux, norm, skipped, lr, seconds)] in step order, after one
         read of the device; the schedule advances by the steps taken."""
-        values = torch.stack([v for _, _, v in self.held]).tolist() if self.held else []
+        values = torch.stack([v for _, _, v, _ in self.held]).tolist() if self.held else []
         now = time.perf_counter()
         seconds = (now - self.since) / max(1, len(self.held))
         out = []
-        for (n, rec, _), (loss, aux, norm, skipped) in zip(self.held, values):
+        for (n, rec, _, keys), (loss, aux, norm, skipped, *extras) in zip(self.held, values):
+            rec.update(zip(keys, extras))
             for k, v in rec.items():  # figures left on the device (interleave.Baton.take)
                 if callable(v):
                     rec[k] = v()

@@ -22,6 +22,7 @@ from . import checkpoint
 from .config import to_dict
 from .distributed import all_agree, any_rank
 from .evaluation import held_out
+from .execution import mtp_fields
 from .memory import PeakMemory, model_state_bytes, peak_mem_every
 from . import telemetry
 from .stops import Diverged, Preempted
@@ -71,10 +72,11 @@ class Trainer:
         r = self.execution.train(self, n, scale, rec)
         self._record_comm(rec)
         if self.checks is None:
+            rec.update(mtp_fields(r.mtp))
             self._record(n, rec, r.loss, r.aux, r.norm, r.skipped, lr, time.perf_counter() - t0)
             self._after_step(n, r.stats, r.stop)
             return
-        self.checks.hold(n, rec, r.loss, r.aux, r.norm, r.skipped)
+        self.checks.hold(n, rec, r.loss, r.aux, r.norm, r.skipped, mtp_fields(r.mtp))
         stop = self.checks.stop_agreed(self.stop_request.requested)  # a SIGTERM reads now
         if stop or self._read_due(n):
             for m, rec_m, loss, aux, norm, skipped, lr_m, dt in self.checks.read(self.sched):

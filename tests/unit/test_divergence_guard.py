@@ -98,15 +98,17 @@ DEFERRED = ["log.every=5", "checkpoint.every=0", "checkpoint.at_end=false", "tra
             "moe.bias_update_rate=0.01", "train.optimizer_impl=fused"]
 
 
-def test_device_checks_defer_the_read_and_equal_the_host_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mtp", [[], ["model.mtp_depth=1"]], ids=["plain", "mtp"])
+def test_device_checks_defer_the_read_and_equal_the_host_bit_for_bit(tmp_path, monkeypatch, mtp):
     """Steps 2 and 3 non-finite, read at step 5: the device mode skips them on the device
     (weights, AdamW moments and step counts, router bias and its pending load as they were,
-    the steps after them at the host mode's learning rate) and its records, read in one go,
-    equal the host mode's; every final tensor is equal bit for bit."""
+    the steps after them at the host mode's learning rate) and its records, read in one go
+    (with a multi-token prediction depth: its losses in the same copy), equal the host
+    mode's; every final tensor is equal bit for bit."""
     runs = {}
     for checks in ("host", "device"):
         tr = _trainer(tmp_path / checks, _texts_in(tmp_path / checks),
-                      DEFERRED + ["train.max_skipped_steps=0", f"train.step_checks={checks}"])
+                      DEFERRED + mtp + ["train.max_skipped_steps=0", f"train.step_checks={checks}"])
         # the sampler's position is the step count: a skipped step still consumes its batch
         calls = {"n": 0}
         real = tr.execution._forward_backward
@@ -125,8 +127,8 @@ def test_device_checks_defer_the_read_and_equal_the_host_bit_for_bit(tmp_path, m
             tr.step(n)
         tr.log.close()
         rows = (tmp_path / checks / "run" / "metrics.jsonl").read_text().splitlines()
-        runs[checks] = ([{k: r[k] for k in ("step", "loss", "aux_loss", "lr", "grad_norm", "skipped")}
-                         for r in map(json.loads, rows)], _snapshot(tr), tr.sched.last_step,
+        keys = ("step", "loss", "aux_loss", "lr", "grad_norm", "skipped") + (("mtp_loss_1",) if mtp else ())
+        runs[checks] = ([{k: r[k] for k in keys} for r in map(json.loads, rows)], _snapshot(tr), tr.sched.last_step,
                         {k: v.clone() for k, v in tr.model.named_buffers()})
     host, device = runs["host"], runs["device"]
     assert [r["skipped"] for r in host[0]] == [False, True, True, False, False, False]
