@@ -14,6 +14,8 @@ rows differs (fp32 rounding). fp64 logits are handled in fp64 throughout (loss_d
 an fp64 proof stays fp64 up to its loss.
 """
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from moe.fusion import run_fused
 
@@ -107,10 +109,8 @@ def chunked_cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor,
 def mean_token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, count=None) -> torch.Tensor:
     """Mean cross entropy over labelled positions (label -100 = ignored), in fp32, without an
     fp32 copy of the whole logits; `count` as chunked_cross_entropy's."""
-    from torch.distributed.tensor import DTensor
     V = logits_BSV.shape[-1]
     if isinstance(logits_BSV, DTensor):  # a sharded vocabulary: torch's own loss handles it
-        import torch.nn.functional as F
         total = F.cross_entropy(logits_BSV.to(loss_dtype(logits_BSV.dtype)).reshape(-1, V), labels_BS.reshape(-1),
                                 ignore_index=IGNORE, reduction="sum")
         return total / ((labels_BS != IGNORE).sum() if count is None else count)

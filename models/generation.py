@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .mtp import depth_logits
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -154,4 +156,4 @@ def _draft(model, depth, mtp_cache, h_1SD, next_1S) -> torch.Tensor:
     """MTP depth 1 over new positions (their main hidden states and the tokens after them):
     the greedy draft [1, 1] of the token after the last one known."""
     h1_1SD = depth(h_1SD, model.embed(next_1S, mtp_cache.length), cache=mtp_cache)
-    return model.lm_head(depth.norm(h1_1SD[:, -1:])).argmax(-1)
+    return depth_logits(model, depth, h1_1SD[:, -1:]).argmax(-1)

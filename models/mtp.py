@@ -65,9 +65,13 @@ def mtp_losses(model, h_BSD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Ten
     losses = []
     for depth, (ids_BS, tgt_BS, count) in zip(model.mtp, model.mtp_labels(labels_BS, len(model.mtp))):
         h_BSD = depth(h_BSD, _embed_ahead(model, ids_BS))
-        logits_BSV = model.lm_head(depth.norm(h_BSD))
-        losses.append(mean_token_loss(logits_BSV, tgt_BS, count))
+        losses.append(mean_token_loss(depth_logits(model, depth, h_BSD), tgt_BS, count))
     return torch.stack(losses)
+
+
+def depth_logits(model, depth: MTPDepth, h_BSD: torch.Tensor) -> torch.Tensor:
+    """A depth's scores [B, S, V]: its own final norm, then the model's shared head."""
+    return model.lm_head(depth.norm(h_BSD))
 
 
 def _embed_ahead(model, ids_BS: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ class PipelineRunner:
         n = mb * sum(isinstance(m, MoELayer) for m in self.model.modules())
         aux = torch.stack([a.float() for a in self._aux[-n:]]).sum() / mb if n else zero
         self._stage_aux = aux  # kept apart from _aux, which later (eval) forwards append to
-        depth = getattr(self.model.model_cfg, "mtp_depth", 0) if hasattr(self.model, "model_cfg") else 0
+        depth = getattr(getattr(self.model, "model_cfg", None), "mtp_depth", 0)  # on every pp rank
         mtp = self.mtp.take(mb, device) if self.mtp is not None else torch.zeros(depth, device=device)
         if self.mtp is not None:  # the losses hold the weighted MTP part: report it apart
             task = task - self.mtp.coef / depth * mtp.sum()

@@ -346,7 +346,7 @@ def activations(w, plan, state, stage: int) -> Activations:
         S_out = w.stream_tokens["decoder"]
         # each MTP depth's logits too, saved until the backward; one gradient at a time
         loss = int(seqs * local_tokens(plan, S_out) * w.model_cfg.vocab_size * a
-                   * (LOSS_COPIES_PER_LOGIT + getattr(w.model_cfg, "mtp_depth", 0)))
+                   * (LOSS_COPIES_PER_LOGIT + len(w.mtp_block_ids())))
     total = int(per_chunk * flight + lead + rebuild + loss)
     passes = plan.microbatches if plan.pp > 1 else round(w.batch_size / plan.dp / seqs)
     return Activations(int(kept), flight, loss, total, passes, fp8_copy_bytes(w, plan))
