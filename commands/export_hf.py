@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
 
 def _export(args) -> None:
-    from models.hf_sizes import read_hf_config
+    from models.hf_sizes import deepseek_v3_config, read_hf_config
     from models.hf_weights import write_deepseek_v3
     from trainer.inference import load_run
     run = load_run(args.run_dir, args.step, args.overrides)
@@ -45,26 +45,10 @@ def _export(args) -> None:
     if hf.get("model_type") != "deepseek_v3":
         raise ValueError(f"{args.run_dir} was not sized by a deepseek_v3 hf.config (hf.config="
                          f"{cfg.hf.config!r}); export_hf writes DeepSeek-V3-family checkpoints only")
-    write_deepseek_v3(run.model.state_dict(), cfg.model, _sized(hf, cfg), args.out)
+    write_deepseek_v3(run.model.state_dict(), cfg.model, deepseek_v3_config(hf, cfg.model, cfg.moe),
+                      args.out)
     print(f"wrote {args.out}/model.safetensors and config.json (step {run.step}, "
           f"{cfg.model.mtp_depth} MTP layer(s))")
-
-
-def _sized(hf: dict, cfg) -> dict:
-    """The hf.config with the sizes the run actually has (a TOML or the command line may
-    have overridden them)."""
-    m, e = cfg.model, cfg.moe
-    return dict(hf, vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
-                num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
-                intermediate_size=m.d_ff, q_lora_rank=m.q_lora_rank or None,
-                kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
-                qk_nope_head_dim=m.head_dim, v_head_dim=m.v_head_dim or m.head_dim,
-                moe_intermediate_size=e.d_ff or m.d_ff, n_routed_experts=e.num_experts,
-                num_experts_per_tok=e.top_k, first_k_dense_replace=e.first_moe_layer,
-                n_shared_experts=e.num_shared_experts, n_group=e.n_group, topk_group=e.topk_group,
-                routed_scaling_factor=e.routed_scaling_factor, norm_topk_prob=e.norm_topk_prob,
-                max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                tie_word_embeddings=m.tie_embeddings)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,24 @@ def gpt_sections(hf: dict, where: str = "hf.config") -> dict:
     return {"model": model, "moe": _moe(family, hf, where)}
 
 
+def deepseek_v3_config(hf: dict, model_cfg, moe_cfg) -> dict:
+    """The deepseek_v3 config.json `hf` with the sizes of [model] / [moe] written back (the
+    inverse of gpt_sections' deepseek_v3 branch: a TOML or the command line may have
+    overridden them), for a checkpoint of a run (commands/export_hf.py)."""
+    m, e = model_cfg, moe_cfg
+    return dict(hf, vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+                num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
+                intermediate_size=m.d_ff, q_lora_rank=m.q_lora_rank or None,
+                kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+                qk_nope_head_dim=m.head_dim, v_head_dim=m.v_head_dim or m.head_dim,
+                moe_intermediate_size=e.d_ff or m.d_ff, n_routed_experts=e.num_experts,
+                num_experts_per_tok=e.top_k, first_k_dense_replace=e.first_moe_layer,
+                n_shared_experts=e.num_shared_experts, n_group=e.n_group, topk_group=e.topk_group,
+                routed_scaling_factor=e.routed_scaling_factor, norm_topk_prob=e.norm_topk_prob,
+                max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                tie_word_embeddings=m.tie_embeddings)
+
+
 def _rope_theta(hf: dict) -> float:
     """Top-level rope_theta (the published files), or inside rope_parameters (transformers 5)."""
     theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
