@@ -233,6 +233,7 @@ class MoEConfig:
     dispatch: str = _help("flat", "the expert all-to-all over nodes: 'flat' (one row per assignment to its expert's rank) or 'hierarchical' (a token crosses to a node once, to the rank with the same local index there, which forwards it to its node's experts; the combine sums a token's rows inside the node before they cross back: DeepSeek-V3/DeepEP); nodes from parallel.gpus_per_node; needs parallel.ep > 1")
     max_nodes: int = _help(0, "node-limited routing (DeepSeek-V3: 4): each token's experts lie on at most this many of the nodes the experts live on (parallel.ep over parallel.gpus_per_node), the nodes ranked by the sum of their top max(1, top_k // max_nodes) scores; 0 = no limit; needs parallel.ep > 1, no replicas")
     replica_slots: int = _help(0, "hot-expert replication under expert parallelism: extra expert slots per ep rank for replicas of the step's hottest experts (same function, rows per rank nearer the mean); 0 = off, needs parallel.ep > 1")
+    gates_in_experts: bool = _help(False, "apply each routed row's gate inside its expert (its hidden activation scaled before the output projection) so the combine is a plain sum: one d_model row less kept for backward per routed assignment (Megatron-Core's placement); under expert parallelism the fp32 gates travel with the rows. Same function, rounded at another point")
 
     def __post_init__(self):
         # normalise what we can; leave junk in place for validate() to report
@@ -277,6 +278,8 @@ class MoEConfig:
                              f"needs moe.router='token_choice'; set moe.max_nodes=0")
         if self.force_balance not in (True, False):
             raise ValueError(f"moe.force_balance={self.force_balance!r} must be true or false")
+        if self.gates_in_experts not in (True, False):
+            raise ValueError(f"moe.gates_in_experts={self.gates_in_experts!r} must be true or false")
         if self.force_balance and self.router != "token_choice":
             raise ValueError(f"moe.force_balance=true needs moe.router='token_choice' "
                              f"({self.router!r} is balanced by construction)")
@@ -327,7 +330,7 @@ class MoEConfig:
                     experts_impl=self.experts_impl, force_balance=self.force_balance,
                     replica_slots=self.replica_slots, a2a_overlap_degree=self.a2a_overlap_degree,
                     dispatch_dtype=self.dispatch_dtype, dispatch=self.dispatch,
-                    max_nodes=self.max_nodes or None)
+                    max_nodes=self.max_nodes or None, gates_in_experts=self.gates_in_experts)
 
     def is_moe_block(self, i: int) -> bool:
         return self.every > 0 and i >= self.first_moe_layer and (i + 1) % self.every == 0

@@ -25,7 +25,7 @@ import torch
 
 from .all_to_all import start_exchange_in
 from .wire import arrival_dtype
-from .dispatcher import permute_rows, weighted_combine
+from .dispatcher import permute_rows, row_gates, weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
 __all__ = ["chunk_tables", "overlapped_experts"]
@@ -140,7 +140,8 @@ class _AfterBackward(torch.autograd.Function):
 
 
 def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_dtype,
-                       in_flight=None, timeline=None, wires=(None, None), release=None):
+                       in_flight=None, timeline=None, wires=(None, None), release=None,
+                       gated: bool = False):
     """-> (y_TD, meta, in_flight()'s result): the routed experts' combined output for x_TD, the dispatch cut into
     `degree` chunks whose exchanges overlap the experts of the previous chunk.
 
@@ -151,7 +152,9 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
     wires: the (dispatch, combine) formats of the rows on the wire (moe/wire.py).
     release(): called once the experts are done with every chunk, in forward and in backward
     (ZeRO-3 holds their gathered weights across the chunks, then frees them: parallel/
-    data_parallel/fsdp.py), or None."""
+    data_parallel/fsdp.py), or None. gated: the routing gates go to the experts with each
+    chunk's rows (fp32, an exchange of their own) and run_experts applies them (moe.
+    gates_in_experts); the combine then sums."""
     sp = dispatcher.plan(x_TD, routing)
     x_AD = sp.x_AD if release is None or not sp.x_AD.requires_grad else _AfterBackward.apply(sp.x_AD, release)
     group, r = dispatcher.group, dispatcher.rank
@@ -168,10 +171,15 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
             fetched.append(dispatcher.expert_weights(weights, meta))
         return fetched[0]
 
+    g_A = row_gates(sp.local)[:x_AD.shape[0]].view(-1, 1) if gated else None
+
     def issue(c):
         ex = plans[c]
-        return _start(x_AD.index_select(0, rows[c]), ex.recv_splits, ex.send_splits, group,
-                      f"dispatch {c}", timeline, wires[0])
+        rows_c = _start(x_AD.index_select(0, rows[c]), ex.recv_splits, ex.send_splits, group,
+                        f"dispatch {c}", timeline, wires[0])
+        gates_c = None if g_A is None else _start(g_A.index_select(0, rows[c]), ex.recv_splits,
+                                                  ex.send_splits, group, f"gates {c}", timeline)
+        return rows_c, gates_c
 
     flying, extra = {0: issue(0)}, None
     if in_flight is not None:
@@ -181,10 +189,14 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
         if c + 1 < degree:
             flying[c + 1] = issue(c + 1)
         ex = plans[c]
-        x_ND = _finish(flying.pop(c), ex.recv_splits, ex.send_splits, group)
+        rows_c, gates_c = flying.pop(c)
+        x_ND = _finish(rows_c, ex.recv_splits, ex.send_splits, group)
         perm, unperm = ex.perm_N.to(x_ND.device), ex.unperm_N.to(x_ND.device)
+        g_N = None if gates_c is None else \
+            permute_rows(_finish(gates_c, ex.recv_splits, ex.send_splits, group).view(-1), perm, unperm)
         y_ND = _span(timeline, f"experts {c}",
-                     lambda: run_experts(permute_rows(x_ND, perm, unperm), list(ex.counts_L), extend))
+                     lambda: run_experts(permute_rows(x_ND, perm, unperm), list(ex.counts_L), extend,
+                                         gate_N=g_N))
         returning.append(_start(permute_rows(y_ND, unperm, perm), ex.send_splits, ex.recv_splits, group,
                                 f"combine {c}", timeline, wires[1]))
     if release is not None:
@@ -195,7 +207,7 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
     inverse_A = torch.empty_like(order_A).scatter_(
         0, order_A, torch.arange(order_A.numel(), device=order_A.device))
     y_AD = permute_rows(torch.cat(y_parts), inverse_A, order_A) if degree > 1 else y_parts[0]
-    return weighted_combine(y_AD, sp.local, out_dtype), meta, extra
+    return weighted_combine(y_AD, sp.local, out_dtype, not gated), meta, extra
 
 
 def _span(timeline, name, fn):

@@ -115,6 +115,22 @@ class _WeightedBags(torch.autograd.Function):
         return dy_ND, dgate_N.index_select(0, meta.row_A).to(ctx.gate_dtype), None
 
 
+class _SumBags(torch.autograd.Function):
+    """out[t] = sum_k y_ND[row_A[t*K+k]] (the gates already applied inside the experts:
+    moe/row_gates.py): one embedding_bag; keeps nothing but the known rows, and its backward
+    hands each row its token's output gradient (one gather)."""
+
+    @staticmethod
+    def forward(ctx, y_ND, meta):
+        ctx.meta = meta
+        return F.embedding_bag(meta.row_A, y_ND, meta.bag_T, mode="sum")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_TD):
+        return g_TD.index_select(0, ctx.meta.token_N), None
+
+
 class _PermuteRows(torch.autograd.Function):
     """out = x[index], index a permutation whose inverse is known: backward gathers by it."""
 
@@ -140,7 +156,17 @@ def gather_sorted(x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
     return _GatherRows.apply(x_TD, meta)
 
 
-def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch.Tensor:
+def row_gates(meta: DispatchMeta) -> torch.Tensor:
+    """fp32 [N]: the gate of each dispatched row, in row order (expert order), differentiable
+    into the router's gates: token choice by a permutation whose inverse is known (a gather
+    backward, no sort), fan-in rows as the meta holds them."""
+    if meta.row_A is None:
+        return meta.gate_rows
+    return permute_rows(meta.gate_A, meta.slot_N, meta.row_A)
+
+
+def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype,
+                     weighted: bool = True) -> torch.Tensor:
     """out[t] = sum over token t's kept rows of gate * y_row.
 
     Token choice: one weighted embedding_bag over each token's K rows (their places are known,
@@ -148,13 +174,16 @@ def weighted_combine(y_ND: torch.Tensor, meta: DispatchMeta, out_dtype) -> torch
     zero row. y may have fewer rows than slots (an exchange returns
     only the kept ones, which come first): zero rows stand in for the rest. Rows that fan in
     (expert choice, the hierarchical proxies): one index_add of gate * y. The gates are cast
-    to y's dtype; no fp32 copy of y is made.
+    to y's dtype; no fp32 copy of y is made. weighted=False: the rows already carry their
+    gates (moe.gates_in_experts, moe/row_gates.py): a plain sum, nothing kept for backward.
     """
     T, D = meta.num_tokens, y_ND.shape[-1]
     if meta.row_A is None:
-        w_ND = y_ND * meta.gate_N.to(y_ND.dtype).unsqueeze(-1)
+        w_ND = y_ND * meta.gate_N.to(y_ND.dtype).unsqueeze(-1) if weighted else y_ND
         return y_ND.new_zeros(T, D).index_add_(0, meta.token_N, w_ND).to(out_dtype)
-    return _WeightedBags.apply(pad_rows(y_ND, meta.row_A.numel()), meta.gate_A, meta).to(out_dtype)
+    y_AD = pad_rows(y_ND, meta.row_A.numel())
+    out = _WeightedBags.apply(y_AD, meta.gate_A, meta) if weighted else _SumBags.apply(y_AD, meta)
+    return out.to(out_dtype)
 
 
 class LocalDispatcher:
@@ -175,6 +204,10 @@ class LocalDispatcher:
         """The weights of every expert slot: here just the experts (no replicas)."""
         return params
 
+    def gates(self, meta: DispatchMeta, waiter=None) -> torch.Tensor:
+        """fp32 [N]: each dispatched row's gate, in the rows' order (moe.gates_in_experts)."""
+        return row_gates(meta)
+
     def combine(self, y_ND: torch.Tensor, meta: DispatchMeta, out_dtype, wire=None,
-                waiter=None) -> torch.Tensor:
-        return weighted_combine(round_trip(y_ND, wire), meta, out_dtype)
+                waiter=None, weighted: bool = True) -> torch.Tensor:
+        return weighted_combine(round_trip(y_ND, wire), meta, out_dtype, weighted)

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from .all_to_all import CollectiveCall, all_to_all, exchange_counts
-from .dispatcher import (DispatchMeta, LocalDispatcher, gather_sorted, permute_rows, sort_by_expert,
-                         sorted_meta, weighted_combine)
+from .dispatcher import (DispatchMeta, LocalDispatcher, gather_sorted, permute_rows, row_gates,
+                         sort_by_expert, sorted_meta, weighted_combine)
 from .nodes import one_node
 from .placement import Placement, plan_placement, route_rows
 from .routing import Routing
@@ -50,6 +50,11 @@ FLAT_CALLS = (
     CollectiveCall("expert outputs back", "forward", "group", ("N", "c")),
     CollectiveCall("the outputs' gradients", "backward", "group", ("A", "b")),
     CollectiveCall("the rows' gradients", "backward", "group", ("N", "b")),
+)
+# moe.gates_in_experts adds: each sent row's gate to its expert, and the gates' gradients back
+FLAT_GATE_CALLS = FLAT_CALLS + (
+    CollectiveCall("fp32 gate of each row", "forward", "group", ("A", 4)),
+    CollectiveCall("the gates' gradients", "backward", "group", ("N", 4)),
 )
 
 
@@ -199,12 +204,21 @@ class ExpertParallelDispatcher:
                      torch.cat([p, next(reps).reshape(-1, *p.shape[1:]).to(p.dtype)])
                      for p in params)
 
+    def gates(self, meta: EPDispatchMeta, waiter=None) -> torch.Tensor:
+        """fp32 [N]: the gate of each row this rank's experts received, in the rows' order
+        (moe.gates_in_experts): the sent rows' gates travel as the rows did (one all_to_all,
+        fp32; its backward returns their gradients to the routers)."""
+        g_A = row_gates(meta.local)[:sum(meta.send_splits)]
+        g_N = all_to_all(g_A.view(-1, 1), list(meta.recv_splits), list(meta.send_splits),
+                         self.group, None, waiter).view(-1)
+        return permute_rows(g_N, meta.perm_N, meta.unperm_N)
+
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
-                waiter=None) -> torch.Tensor:
+                waiter=None, weighted: bool = True) -> torch.Tensor:
         y_src_ND = permute_rows(y_ND, meta.unperm_N, meta.perm_N)
         y_AD = all_to_all(y_src_ND, list(meta.send_splits), list(meta.recv_splits), self.group,
                           wire, waiter)
-        return weighted_combine(y_AD, meta.local, out_dtype)
+        return weighted_combine(y_AD, meta.local, out_dtype, weighted)
 
 
 def check_shardable(layer, ep_group) -> tuple:

@@ -77,17 +77,24 @@ def split_layer_ffn(layer, group) -> None:
     layer.etp_group = group
 
 
-def tensor_parallel_experts(experts, x_ND: torch.Tensor, counts_W, extend, group) -> torch.Tensor:
+def tensor_parallel_experts(experts, x_ND: torch.Tensor, counts_W, extend, group,
+                            gate_N=None) -> torch.Tensor:
     """experts(x_ND, counts_W, extend) with each expert's d_ff split over `group` (see the
     module docstring): gather the group's rows, run this rank's slice, sum the slices' partial
-    outputs on the rows' own ranks. Every rank of the group must call it (collective)."""
+    outputs on the rows' own ranks. Every rank of the group must call it (collective).
+    gate_N: each row's routing gate (moe.gates_in_experts), gathered beside the rows (each
+    slice's gate gradient is its part of <dy W2^T, a>: the gather's backward sums them)."""
     n, N, D = dist.get_world_size(group), x_ND.shape[0], x_ND.shape[-1]
     counts_W = torch.as_tensor(counts_W, dtype=torch.long, device=x_ND.device)
     counts_nW = exchange_counts(counts_W.expand(n, -1), group)  # row j: rank j's counts
     rows_n = counts_nW.sum(1).tolist()
     x_MD = all_to_all(x_ND.expand(n, N, D).reshape(n * N, D), rows_n, [N] * n, group)
     perm_M = source_to_expert_order(counts_nW)  # (rank, slot) order -> (slot, rank) order
-    y_MD = experts(x_MD[perm_M], counts_nW.sum(0).tolist(), extend)
+    g_M = None
+    if gate_N is not None:
+        g_M = all_to_all(gate_N.view(1, N, 1).expand(n, N, 1).reshape(n * N, 1), rows_n, [N] * n,
+                         group).view(-1)[perm_M]
+    y_MD = experts(x_MD[perm_M], counts_nW.sum(0).tolist(), extend, gate_N=g_M)
     unperm_M = torch.empty_like(perm_M)
     unperm_M[perm_M] = torch.arange(perm_M.numel(), device=perm_M.device)
     partial_nND = all_to_all(y_MD[unperm_M], [N] * n, rows_n, group).reshape(n, N, -1)

@@ -14,6 +14,7 @@ from .fusion import is_plain
 from .fp8 import check_block_dims, device_fp8_kernels, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
 from .fp8_rowwise import rowwise_choice, rowwise_fp8_ffn, scaled_grouped_kernel
 from .grouped_mm import EXPERT_IMPLS, grouped_mm_ffn, resolve_impl, unsupported_reason
+from .row_gates import add_gated_bias, gate_bias_grad, gate_column, weighted, weighted_act, weighted_backward
 
 __all__ = ["ACTIVATIONS", "ExpertBank", "DenseFFN", "grouped_ffn", "check_activation",
            "check_experts_impl", "pad_rows"]
@@ -69,7 +70,7 @@ class _GroupedFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, counts, act, w1, w2, w3, b1, b2, b3):
+    def forward(ctx, x_ND, counts, act, w1, w2, w3, b1, b2, b3, gate_N=None):
         gated = act.gated
         y_ND = x_ND.new_empty(x_ND.shape[0], w2.shape[-1])
         saved, lo = [], 0
@@ -80,22 +81,29 @@ class _GroupedFFN(torch.autograd.Function):
             cm = _colmajor_hidden(x_ND, n)
             h1 = _affine(x, w1[e], _row(b1, e), out=_hidden(x_ND, n, F_, cm))
             h3 = _affine(x, w3[e], _row(b3, e), out=_hidden(x_ND, n, F_, cm)) if gated else None
-            a = act(h1, h3)
-            _affine(a, w2[e], _row(b2, e), out=y_ND[lo:lo + n])
+            if gate_N is None:
+                a = act(h1, h3)
+                _affine(a, w2[e], _row(b2, e), out=y_ND[lo:lo + n])
+            else:  # moe.gates_in_experts: (g a) W2 + g b2, a computed again in backward
+                a = None
+                torch.mm(weighted(act, h1, h3, gate_N[lo:lo + n]), w2[e], out=y_ND[lo:lo + n])
+                if b2 is not None:
+                    y_ND[lo:lo + n].addcmul_(gate_column(gate_N[lo:lo + n], h1.dtype), b2[e].unsqueeze(0))
             saved += [h1, h3, None if act.recompute else a]
             lo += n
         ctx.counts, ctx.act = counts, act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
-        ctx.save_for_backward(x_ND, w1, w2, w3, *saved)
+        ctx.save_for_backward(x_ND, w1, w2, w3, b2, gate_N, *saved)
         return y_ND
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_ND):
-        x_ND, w1, w2, w3, *saved = ctx.saved_tensors
+        x_ND, w1, w2, w3, b2, gate_N, *saved = ctx.saved_tensors
         dy_ND = dy_ND.contiguous()
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:9])
         dx_ND = torch.empty_like(x_ND) if need_x else None
+        dg_N = gate_N.new_zeros(gate_N.shape) if gate_N is not None and ctx.needs_input_grad[9] else None
         dw = [None if w is None or not need_w else torch.empty_like(w) for w in (w1, w2, w3)]
         db = [x_ND.new_empty(len(ctx.counts), w.shape[-1]) if has and need_w else None
               for has, w in zip(ctx.has_bias, (w1, w2, w3))]
@@ -108,36 +116,45 @@ class _GroupedFFN(torch.autograd.Function):
                 continue
             h1, h3, a = saved[i:i + 3]
             i += 3
-            if a is None:  # moe_act: computed again rather than kept
-                a = ctx.act(h1, h3)
             x, dy = x_ND[lo:lo + n], dy_ND[lo:lo + n]
             da_buf = _hidden(x_ND, n, h1.shape[-1], _colmajor_hidden(x_ND, n))
             da = torch.mm(dy, w2[e].t(), out=da_buf)
-            dh1, dh3 = ctx.act.backward(da, h1, h3)
+            g = None
+            if gate_N is not None:  # gates in the experts: one op gives dh, dg and g a
+                g = gate_column(gate_N[lo:lo + n], h1.dtype)
+                dh1, dh3, dg, a = weighted_backward(ctx.act, da, h1, h3, gate_N[lo:lo + n])
+                if dg_N is not None:
+                    dg_N[lo:lo + n] = dg if b2 is None else dg + gate_bias_grad(dy, b2[e])
+            else:
+                if a is None:  # moe_act: computed again rather than kept
+                    a = ctx.act(h1, h3)
+                dh1, dh3 = ctx.act.backward(da, h1, h3)
             if need_w:
                 torch.mm(a.t(), dy, out=dw[1][e])
                 torch.mm(x.t(), dh1, out=dw[0][e])
                 if dh3 is not None:
                     torch.mm(x.t(), dh3, out=dw[2][e])
-                for g, src in zip(db, (dh1, dy, dh3)):
-                    if g is not None:
-                        torch.sum(src, 0, out=g[e])
+                for gb, src in zip(db, (dh1, dy if g is None else dy * g, dh3)):
+                    if gb is not None:
+                        torch.sum(src, 0, out=gb[e])
             if need_x:
                 torch.mm(dh1, w1[e].t(), out=dx_ND[lo:lo + n])
                 if dh3 is not None:
                     dx_ND[lo:lo + n].addmm_(dh3, w3[e].t())
             lo += n
-        return (dx_ND, None, None, *dw, *db)
+        return (dx_ND, None, None, *dw, *db, dg_N)
 
 
-def grouped_ffn(x_ND, counts, activation, w1, w2, w3=None, b1=None, b2=None, b3=None):
+def grouped_ffn(x_ND, counts, activation, w1, w2, w3=None, b1=None, b2=None, b3=None, gate_N=None):
     """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND, all in one node.
-    `activation`: a name of ACTIVATIONS or an Activation (clamped_swiglu's constants)."""
+    `activation`: a name of ACTIVATIONS or an Activation (clamped_swiglu's constants).
+    gate_N: fp32 [N] or None: each row's routing gate, applied inside (moe/row_gates.py)."""
     act = activation if isinstance(activation, Activation) else Activation(activation)
     if sum(counts) != x_ND.shape[0]:
         raise ValueError(f"counts sum to {sum(counts)} but x_ND has {x_ND.shape[0]} rows; "
                          "counts[e] must be the number of rows of expert e")
-    return _GroupedFFN.apply(x_ND, tuple(int(c) for c in counts), act, w1, w2, w3, b1, b2, b3)
+    return _GroupedFFN.apply(x_ND, tuple(int(c) for c in counts), act, w1, w2, w3, b1, b2, b3,
+                             gate_N)
 
 
 class ExpertBank(nn.Module):
@@ -256,12 +273,16 @@ class ExpertBank(nn.Module):
         """(w1, w2, w3, b1, b2, b3), None where absent: what forward's `params` replaces."""
         return (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
 
-    def forward(self, x_ND: torch.Tensor, counts, extend=None, padded: bool = False) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts, extend=None, padded: bool = False,
+                gate_N=None) -> torch.Tensor:
         """extend(weights) -> weights to run: called here, inside this module's forward (where
         FSDP2 has unsharded the parameters), with `weights()`; it may append expert rows
         (the expert-parallel dispatcher appends replicas of other ranks' experts). counts
         has one entry per row of the weights run. padded: x_ND may hold rows past
-        sum(counts) (dropped assignments kept for static shapes); their outputs are zero."""
+        sum(counts) (dropped assignments kept for static shapes); their outputs are zero.
+        gate_N: None, or each row's routing gate (fp32 [N], differentiable) to scale its
+        expert's hidden by before the output projection (moe.gates_in_experts:
+        moe/row_gates.py)."""
         params = self.weights() if extend is None else tuple(extend(self.weights()))
         if len(counts) != params[0].shape[0]:
             raise ValueError(f"counts has {len(counts)} entries for {params[0].shape[0]} local experts")
@@ -271,12 +292,14 @@ class ExpertBank(nn.Module):
         if not on_device and isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # the loops slice on the host
         if impl != "grouped_mm" and padded and sum(counts) < x_ND.shape[0]:
-            return pad_rows(self.forward(x_ND[:sum(counts)], counts, lambda _: params),
+            kept = sum(counts)
+            return pad_rows(self.forward(x_ND[:kept], counts, lambda _: params,
+                                         gate_N=None if gate_N is None else gate_N[:kept]),
                             x_ND.shape[0])
         if impl == "fp8":
-            return self._forward_fp8(x_ND, counts, params)
+            return self._forward_fp8(x_ND, counts, params, gate_N)
         if impl == "ops":
-            return self._forward_ops(x_ND, counts, params)
+            return self._forward_ops(x_ND, counts, params, gate_N=gate_N)
         dev = x_ND.device.type
         if torch.is_autocast_enabled(dev):
             # autocast would run every matmul in its low dtype: cast once (the weights once per
@@ -284,8 +307,8 @@ class ExpertBank(nn.Module):
             dt = torch.get_autocast_dtype(dev)
             x_ND, params = x_ND.to(dt), self._cast_weights(params, dt)
             with torch.autocast(dev, enabled=False):
-                return self._fused(impl, x_ND, counts, params, padded)
-        return self._fused(impl, x_ND, counts, params, padded)
+                return self._fused(impl, x_ND, counts, params, padded, gate_N)
+        return self._fused(impl, x_ND, counts, params, padded, gate_N)
 
     def set_cast_cache(self, on: bool) -> None:
         """Keep the compute-dtype copy of the weights between micro-batches (default on);
@@ -315,13 +338,13 @@ class ExpertBank(nn.Module):
             self._casts[key] = hit
         return hit[1]
 
-    def _fused(self, impl, x_ND, counts, params, padded=False):
+    def _fused(self, impl, x_ND, counts, params, padded=False, gate_N=None):
         if impl == "loop":
-            return grouped_ffn(x_ND, counts, self.act, *params)
-        return grouped_mm_ffn(x_ND, counts, self.act, *params, padded=padded)
+            return grouped_ffn(x_ND, counts, self.act, *params, gate_N=gate_N)
+        return grouped_mm_ffn(x_ND, counts, self.act, *params, padded=padded, gate_N=gate_N)
 
     def _forward_ops(self, x_ND: torch.Tensor, counts: list, params: tuple = None,
-                     linear=None) -> torch.Tensor:
+                     linear=None, gate_N=None) -> torch.Tensor:
         """Reference path from plain differentiable ops: DTensor weights (tensor parallelism),
         mixed dtypes; linear(x, w, b) runs each GEMM (default _linear; _fp8_linear under
         precision=fp8). Slower: autograd stacks per-expert weight grads and cats."""
@@ -330,19 +353,20 @@ class ExpertBank(nn.Module):
         if x_ND.shape[0] == 0:  # nothing routed here: an empty result still tied to the weights
             return x_ND @ params[0][0, :, :0] @ params[1][0, :0, :]
         w1, w2, w3, b1, b2, b3 = (self._per_expert(p) for p in params)
+        gates = [None] * len(counts) if gate_N is None else torch.split(gate_N, counts)
         outs = []
         for e, x_nD in enumerate(torch.split(x_ND, counts)):
             if counts[e] == 0:
                 continue
             h_nF = linear(x_nD, w1[e], None if b1 is None else b1[e])
             h3_nF = linear(x_nD, w3[e], None if b3 is None else b3[e]) if self.gated else None
-            args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e], linear)
+            args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e], linear, gates[e])
             # moe_act on this path: the activation and w2 computed again in backward
             outs.append(checkpoint(_act_out, *args, use_reentrant=False) if self.act.recompute
                         else _act_out(*args))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _forward_fp8(self, x_ND: torch.Tensor, counts, params: tuple) -> torch.Tensor:
+    def _forward_fp8(self, x_ND: torch.Tensor, counts, params: tuple, gate_N=None) -> torch.Tensor:
         """Each expert's GEMMs in fine-grained FP8, their inputs, the biases and the activation
         in the compute dtype (autocast's, bf16 under precision=fp8): torchao's grouped FP8
         kernel where it runs for real (moe/fp8.py grouped_fp8_kernel: CUDA SM90+ with DeepGEMM,
@@ -350,7 +374,7 @@ class ExpertBank(nn.Module):
         dev = x_ND.device.type
         if x_ND.shape[0] == 0:  # the empty result, still tied to the weights
             return self._forward_ops(x_ND, counts.tolist() if isinstance(counts, torch.Tensor)
-                                     else counts, params)
+                                     else counts, params, gate_N=gate_N)
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_ND.dtype
         if self.fp8_recipe == "rowwise":
             if not _plain(x_ND, params, same_dtype=False):  # plan validation refuses tp/etp
@@ -361,13 +385,13 @@ class ExpertBank(nn.Module):
             with torch.autocast(dev, enabled=False):
                 return rowwise_fp8_ffn(scaled_grouped_kernel(x_ND.device, kernels),
                                        x_ND.to(torch.bfloat16), counts, self.act, *params,
-                                       fp8=fp8).to(dt)
+                                       fp8=fp8, gate_N=gate_N).to(dt)
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         kernel = grouped_fp8_kernel(x_ND.device) if dt == torch.bfloat16 else None
         with torch.autocast(dev, enabled=False):
             if kernel is not None and _plain(x_ND, params, same_dtype=False):
-                return grouped_fp8_ffn(kernel, x_ND.to(dt), counts, self.act, *params)
-            return self._forward_ops(x_ND.to(dt), counts, params, _fp8_linear)
+                return grouped_fp8_ffn(kernel, x_ND.to(dt), counts, self.act, *params, gate_N=gate_N)
+            return self._forward_ops(x_ND.to(dt), counts, params, _fp8_linear, gate_N)
 
 
 class _CachedCast(torch.autograd.Function):
@@ -392,8 +416,11 @@ def _fp8_linear(x_nK, w_KN, b_N):
     return y if b_N is None else y + b_N.to(y.dtype)
 
 
-def _act_out(act, h_nF, h3_nF, w2_FD, b2_D, linear=_linear):
-    return linear(act(h_nF, h3_nF), w2_FD, b2_D)
+def _act_out(act, h_nF, h3_nF, w2_FD, b2_D, linear=_linear, g_n=None):
+    if g_n is None:
+        return linear(act(h_nF, h3_nF), w2_FD, b2_D)
+    y = linear(weighted_act(act, h_nF, h3_nF, g_n), w2_FD, None)   # moe/row_gates.py
+    return y if b2_D is None else add_gated_bias(y, b2_D.unsqueeze(0), g_n)
 
 
 def _plain(x_ND, params, same_dtype: bool = True) -> bool:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .row_gates import add_gated_bias, weighted_act
 from .wire import E4M3, E4M3_MAX, TILE, dequantize_tiles, quantize_tiles
 
 __all__ = ["TILE", "quantize_blocks", "dequantize_blocks", "qdq_rows", "qdq_cols", "qdq_blocks",
@@ -192,11 +193,13 @@ def grouped_fp8_kernel(device: torch.device):
     return _to_fp8_blockwise_then_scaled_grouped_mm
 
 
-def grouped_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None):
+def grouped_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None,
+                    gate_N=None):
     """Expert e's FFN on its rows of x_ND (sorted by expert, counts rows each) with every GEMM
     through `kernel` (grouped_fp8_kernel's), out in x's dtype (bf16); autograd runs the
     kernel's own FP8 backward. Weights [E, K, N] as the bank holds them (fp32 masters: the
-    kernel quantizes from them, as fp8_matmul does)."""
+    kernel quantizes from them, as fp8_matmul does). gate_N: None, or each row's routing gate
+    applied inside (moe/row_gates.py)."""
     counts_E = torch.as_tensor(counts, device=x_ND.device)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
 
@@ -206,7 +209,11 @@ def grouped_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None
             y + b_EN.to(y.dtype).repeat_interleave(counts_E, 0, output_size=y.shape[0])
 
     def act_out(h1, h3):
-        return gemm(act(h1, h3), w2, b2)
+        if gate_N is None:
+            return gemm(act(h1, h3), w2, b2)
+        y = gemm(weighted_act(act, h1, h3, gate_N), w2, None)
+        return y if b2 is None else \
+            add_gated_bias(y, b2.repeat_interleave(counts_E, 0, output_size=y.shape[0]), gate_N)
 
     h1 = gemm(x_ND, w1, b1)
     h3 = gemm(x_ND, w3, b3) if w3 is not None else None

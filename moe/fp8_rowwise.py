@@ -36,6 +36,7 @@ H100, Megatron-Core reports +20% on Mixtral-8x22B.
 import torch
 
 from .grouped_mm import _add_bias, expert_of_rows, offsets_from_counts
+from .row_gates import add_gated_bias, weighted_act
 from .wire import E4M3, E4M3_MAX
 
 __all__ = ["quantize_rows", "emulated_scaled_grouped_mm", "scaled_grouped_kernel", "rowwise_gemm",
@@ -135,10 +136,11 @@ def rowwise_gemm(x_TK, w_EKN, offs_E, kernel, fp8: bool = True):
 
 
 def rowwise_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None,
-                    fp8=(True, True, True)):
+                    fp8=(True, True, True), gate_N=None):
     """Expert e's FFN on its rows of x_ND (bf16, sorted by expert, counts per expert: a long
     tensor on the device or ints) with w1, w2, w3 in rowwise FP8 where fp8 says so (rowwise_pays
-    per projection), bf16 grouped GEMMs elsewhere; biases and the activation in bf16."""
+    per projection), bf16 grouped GEMMs elsewhere; biases and the activation in bf16. gate_N:
+    None, or each row's routing gate applied inside (moe/row_gates.py)."""
     offs_E = offsets_from_counts(counts, x_ND.device)
     has_bias = any(b is not None for b in (b1, b2, b3))
     expert_N = expert_of_rows(offs_E, x_ND.shape[0]) if has_bias else None
@@ -150,7 +152,10 @@ def rowwise_fp8_ffn(kernel, x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None
     x_ND = x_ND.contiguous()
     h1 = proj(x_ND, w1, b1, fp8[0])
     h3 = proj(x_ND, w3, b3, fp8[2]) if w3 is not None else None
-    return proj(act(h1, h3).contiguous(), w2, b2, fp8[1])
+    if gate_N is None:
+        return proj(act(h1, h3).contiguous(), w2, b2, fp8[1])
+    y = proj(weighted_act(act, h1, h3, gate_N).contiguous(), w2, None, fp8[1])
+    return y if b2 is None else add_gated_bias(y, b2[expert_N], gate_N)
 
 
 def fp8_speedup(contraction: int) -> float:

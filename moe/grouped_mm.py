@@ -21,6 +21,8 @@ explicit grouped_mm below 8.0 fails with one line.
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .row_gates import gate_bias_grad, gate_column, weighted, weighted_backward
+
 EXPERT_IMPLS = ("auto", "loop", "grouped_mm")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,33 +136,48 @@ class _GroupedMMFFN(torch.autograd.Function):
     like the loop path."""
 
     @staticmethod
-    def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3, padded=False):
+    def forward(ctx, x_ND, offs_E, act, w1, w2, w3, b1, b2, b3, padded=False, gate_N=None):
         N, gated = x_ND.shape[0], w3 is not None
         has_bias = any(b is not None for b in (b1, b2, b3))
         expert_N = expert_of_rows(offs_E, N) if has_bias else None  # only for biases
         h1 = _add_bias(_gmm(x_ND, w1, offs_E), b1, expert_N)
         h3 = _add_bias(_gmm(x_ND, w3, offs_E), b3, expert_N) if gated else None
-        a = act(h1, h3)
-        y_ND = _add_bias(_gmm(a, w2, offs_E), b2, expert_N)
+        if gate_N is None:
+            a = act(h1, h3)
+            y_ND = _add_bias(_gmm(a, w2, offs_E), b2, expert_N)
+        else:  # moe.gates_in_experts: (g a) W2 + g b2, a computed again in backward
+            a = None
+            y_ND = _gmm(weighted(act, h1, h3, gate_N), w2, offs_E)
+            y_ND = y_ND if b2 is None else y_ND + gate_column(gate_N, h1.dtype) * b2[expert_N]
         # rows past the last offset (dropped assignments) are left unwritten by the kernel
         live_N1 = (torch.arange(N, device=x_ND.device) < offs_E[-1]).unsqueeze(1) if padded else None
         y_ND = y_ND if live_N1 is None else torch.where(live_N1, y_ND, 0)
         ctx.live_N1 = live_N1
         ctx.act = act
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
-        ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, None if act.recompute else a)
+        ctx.save_for_backward(x_ND, offs_E, expert_N, w1, w2, w3, b2, gate_N, h1, h3,
+                              None if act.recompute else a)
         return y_ND
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_ND):
-        x_ND, offs_E, expert_N, w1, w2, w3, h1, h3, a = ctx.saved_tensors
-        if a is None:  # moe_act: computed again rather than kept
-            a = ctx.act(h1, h3)
+        x_ND, offs_E, expert_N, w1, w2, w3, b2, gate_N, h1, h3, a = ctx.saved_tensors
         dy_ND = dy_ND.contiguous()
         gated = w3 is not None
         da = _gmm(dy_ND, w2.transpose(-2, -1), offs_E)
-        dh1, dh3 = ctx.act.backward(da, h1, h3)
+        g = dg = None
+        if gate_N is not None:  # gates in the experts: one op gives dh, dg and g a
+            g = gate_column(gate_N, h1.dtype)
+            dh1, dh3, dg, a = weighted_backward(ctx.act, da, h1, h3, gate_N)
+            if b2 is not None:
+                dg = dg + gate_bias_grad(dy_ND, b2[expert_N])
+            if ctx.live_N1 is not None:   # rows past the last offset: unwritten, not a gradient
+                dg = torch.where(ctx.live_N1.squeeze(1), dg, 0)
+        else:
+            if a is None:  # moe_act: computed again rather than kept
+                a = ctx.act(h1, h3)
+            dh1, dh3 = ctx.act.backward(da, h1, h3)
         if ctx.live_N1 is not None and any(ctx.has_bias):  # unwritten rows must not reach db
             dh1, dh3 = (None if d is None else torch.where(ctx.live_N1, d, 0) for d in (dh1, dh3))
         dx = dw1 = dw2 = dw3 = db1 = db2 = db3 = None
@@ -177,19 +194,21 @@ class _GroupedMMFFN(torch.autograd.Function):
             E = w1.shape[0]
             db1, db2, db3 = (
                 x_ND.new_zeros(E, src.shape[-1]).index_add_(0, expert_N, src) if has else None
-                for has, src in zip(ctx.has_bias, (dh1, dy_ND, dh3)))
-        return dx, None, None, dw1, dw2, dw3, db1, db2, db3, None
+                for has, src in zip(ctx.has_bias, (dh1, dy_ND if g is None else dy_ND * g, dh3)))
+        return dx, None, None, dw1, dw2, dw3, db1, db2, db3, None, \
+            None if dg is None else dg.to(gate_N.dtype)
 
 
 def grouped_mm_ffn(x_ND, counts, act, w1, w2, w3=None, b1=None, b2=None, b3=None,
-                   padded=False):
+                   padded=False, gate_N=None):
     """Expert e's FFN on rows [sum(counts[:e]), sum(counts[:e+1])) of x_ND via grouped GEMMs.
 
     act: a moe.activations.Activation (its forward and backward). counts: long [E] tensor
     (no host sync) or Python ints. padded: x_ND may hold rows past sum(counts) (dropped
-    assignments, static shapes): their outputs and gradients are zero.
+    assignments, static shapes): their outputs and gradients are zero. gate_N: None, or each
+    row's routing gate (fp32 [N]) applied inside (moe/row_gates.py).
     """
     if len(counts) != w1.shape[0]:
         raise ValueError(f"counts has {len(counts)} entries for {w1.shape[0]} local experts")
     offs_E = offsets_from_counts(counts, x_ND.device)
-    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act, w1, w2, w3, b1, b2, b3, padded)
+    return _GroupedMMFFN.apply(x_ND.contiguous(), offs_E, act, w1, w2, w3, b1, b2, b3, padded, gate_N)

@@ -36,7 +36,8 @@ from .ep_dispatcher import EPDispatchMeta, ExpertParallelDispatcher, source_to_e
 from .nodes import ExpertNodes
 from .wire import arrival_dtype, decode, encode
 
-__all__ = ["HIERARCHICAL_CALLS", "HierarchicalDispatcher", "Hops", "proxy_table"]
+__all__ = ["HIERARCHICAL_CALLS", "HIERARCHICAL_GATE_CALLS", "HierarchicalDispatcher", "Hops",
+           "proxy_table"]
 
 # every exchange of a dispatch and its combine, forward then backward, as they run
 # (moe/all_to_all.py CollectiveCall): hop 2 and its way back stay on the node; the rest may cross
@@ -54,6 +55,12 @@ HIERARCHICAL_CALLS = (
     CollectiveCall("hop 2's gradients", "backward", "node", ("N", "b")),
     CollectiveCall("hop 1's gradients, summed at the proxy", "backward", "group", ("U1", "b")),
     CollectiveCall("the gates' gradients", "backward", "group", ("A1", 4)),
+)
+# moe.gates_in_experts adds: the proxy forwards each assignment's gate to its expert (beside
+# hop 2's rows) and the gradients come back to it; its combine then weighs nothing
+HIERARCHICAL_GATE_CALLS = HIERARCHICAL_CALLS + (
+    CollectiveCall("fp32 gates to their experts", "forward", "node", ("A1", 4)),
+    CollectiveCall("the experts' gate gradients", "backward", "node", ("N", 4)),
 )
 
 
@@ -190,14 +197,23 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
                               ex.counts_L, sp.placement, hops, ex.perm_N)
         return permute_rows(x_ND, ex.perm_N, ex.unperm_N), list(ex.counts_L), meta
 
+    def gates(self, meta: EPDispatchMeta, waiter=None) -> torch.Tensor:
+        """fp32 [N]: the gate of each row this rank's experts received (moe.gates_in_experts):
+        the proxies forward the gates they hold beside hop 2's rows (one node-local
+        all_to_all; its backward returns the gradients to the proxy, and hop 1's gate
+        exchange to the routers)."""
+        g_N = all_to_all(meta.hops.gate_A1.view(-1, 1), list(meta.recv_splits),
+                         list(meta.send_splits), self.group, None, waiter).view(-1)
+        return permute_rows(g_N, meta.perm_N, meta.unperm_N)
+
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
-                waiter=None) -> torch.Tensor:
+                waiter=None, weighted: bool = True) -> torch.Tensor:
         hops = meta.hops
         y_A1D = all_to_all(permute_rows(y_ND, meta.unperm_N, meta.perm_N), list(meta.send_splits),
                            list(meta.recv_splits),
                            self.group, wire, waiter)
         per_row = DispatchMeta(hops.fan_A1, hops.gate_A1, None, 0, sum(hops.recv1), None)
-        z_U1D = weighted_combine(y_A1D, per_row, y_A1D.dtype)
+        z_U1D = weighted_combine(y_A1D, per_row, y_A1D.dtype, weighted)
         z_UD = all_to_all(z_U1D, list(hops.send1), list(hops.recv1), self.group, wire, waiter)
         per_token = DispatchMeta(hops.token_U, torch.ones_like(hops.token_U, dtype=torch.float32),
                                  None, 0, meta.local.num_tokens, None)

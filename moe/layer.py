@@ -120,6 +120,13 @@ class MoELayer(nn.Module):
           top max(1, k // M) scores + selection bias), then its top-k experts among those.
           The nodes are the ones the experts live on (`set_expert_nodes`); on one node
           every token reaches one node, so the limit holds with plain top-k.
+      gates_in_experts: False (default) weighs each expert output by its gate in the
+          combine, which keeps the [rows, d_model] outputs for the gates' gradient; True
+          scales each row's hidden activation by its gate inside the expert, before the
+          output projection, and the combine is a plain sum (moe/row_gates.py: one d_model
+          row less held per routed assignment; under expert parallelism the gates travel
+          to the experts, fp32, one small all-to-all each way). Same function, rounded at
+          another point.
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
@@ -137,7 +144,8 @@ class MoELayer(nn.Module):
                  expert_capacity=None, balance_loss: str = "sequence",
                  experts_impl: str = "auto", force_balance: bool = False,
                  replica_slots: int = 0, a2a_overlap_degree: int = 1,
-                 dispatch_dtype: str = "auto", dispatch: str = "flat", max_nodes=None):
+                 dispatch_dtype: str = "auto", dispatch: str = "flat", max_nodes=None,
+                 gates_in_experts: bool = False):
         super().__init__()
         config = RoutingConfig(
             num_experts=num_experts, top_k=top_k, kind=router, capacity_factor=capacity_factor,
@@ -159,6 +167,10 @@ class MoELayer(nn.Module):
         self.a2a_overlap_degree = a2a_overlap_degree
         self.dispatch_dtype = dispatch_dtype
         self.dispatch = dispatch
+        if not isinstance(gates_in_experts, bool):
+            raise ValueError(f"gates_in_experts={gates_in_experts!r} (moe.gates_in_experts) must be "
+                             f"true or false")
+        self.gates_in_experts = gates_in_experts
         self.timeline = None  # set_timeline: a moe/profiling/timeline.py Timeline, or None
         self.a2a_waiter = None  # set_a2a_waiter: waits for the exchanges (parallel/interleave.py)
         self.experts_release = None  # set_experts_release: after the chunks' experts (ZeRO-3)
@@ -271,28 +283,31 @@ class MoELayer(nn.Module):
         else:
             with record_function("moe.dispatch"):
                 x_ND, counts_E, meta = self.dispatcher.dispatch(x_TD, routing, wires[0], self.a2a_waiter)
+                gate_N = self.dispatcher.gates(meta, self.a2a_waiter) if self.gates_in_experts else None
             with record_function("moe.experts"):
                 extend = lambda weights: self.dispatcher.expert_weights(weights, meta)  # noqa: E731
-                y_ND = self._run_experts(x_ND, counts_E, extend, getattr(meta, "padded", False))
+                y_ND = self._run_experts(x_ND, counts_E, extend, getattr(meta, "padded", False), gate_N)
             with record_function("moe.combine"):
-                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype, wires[1], self.a2a_waiter)
+                y_TD = self.dispatcher.combine(y_ND, meta, x.dtype, wires[1], self.a2a_waiter,
+                                               weighted=not self.gates_in_experts)
             if self.shared_experts is not None and not self.shared_run_outside:
                 with record_function("moe.shared_experts"):
                     y_TD = y_TD + self.shared_experts(x_TD)
         self._record(routing, meta, losses)
         return y_TD.reshape(shape)
 
-    def _run_experts(self, x_ND, counts, extend, padded=False):
+    def _run_experts(self, x_ND, counts, extend, padded=False, gate_N=None):
         if self.etp_group is None:
-            return self.experts(x_ND, counts, extend, padded)
+            return self.experts(x_ND, counts, extend, padded, gate_N=gate_N)
         # the layout changes here: rows gathered over the etp group and back (it exchanges
         # the counts on the host anyway, so the kept rows are cut off here)
         from .expert_tp import tensor_parallel_experts
         if padded:
-            y_kD = tensor_parallel_experts(self.experts, x_ND[:int(counts.sum())], counts, extend,
-                                           self.etp_group)
+            k = int(counts.sum())
+            y_kD = tensor_parallel_experts(self.experts, x_ND[:k], counts, extend, self.etp_group,
+                                           None if gate_N is None else gate_N[:k])
             return pad_rows(y_kD, x_ND.shape[0])
-        return tensor_parallel_experts(self.experts, x_ND, counts, extend, self.etp_group)
+        return tensor_parallel_experts(self.experts, x_ND, counts, extend, self.etp_group, gate_N)
 
     def _overlapped(self) -> bool:
         """The chunked, overlapped exchange (moe/chunked_a2a.py): d > 1, or d = 1 with a timeline
@@ -309,7 +324,7 @@ class MoELayer(nn.Module):
             y_TD, meta, shared_TD = overlapped_experts(
                 self.dispatcher, x_TD, routing, self._run_experts, self.a2a_overlap_degree,
                 out_dtype, in_flight=shared, timeline=self.timeline, wires=wires,
-                release=self.experts_release)
+                release=self.experts_release, gated=self.gates_in_experts)
         return (y_TD if shared_TD is None else y_TD + shared_TD), meta
 
     def set_dropless_eval(self) -> None:
@@ -370,6 +385,8 @@ class MoELayer(nn.Module):
             s += f", dispatch={self.dispatch}"
         if self.router.config.max_nodes is not None:
             s += f", max_nodes={self.router.config.max_nodes}"
+        if self.gates_in_experts:
+            s += ", gates_in_experts=True"
         return s + (", force_balance=True (BENCHMARK ONLY: routing ignored)"
                     if self.force_balance else "")
 
@@ -402,6 +419,8 @@ class MoELayer(nn.Module):
         if r.max_nodes is not None:
             parts.append(f"max_nodes={r.max_nodes}" + (f" of the experts' {r.expert_nodes} nodes"
                                                        if r.expert_nodes > 1 else ""))
+        if self.gates_in_experts:
+            parts.append("gates in the experts")
         if self.force_balance:
             parts.append("FORCE-BALANCED (benchmark only: routing ignored)")
         return ", ".join(parts)

@@ -194,10 +194,14 @@ def main(argv=None) -> int:
     ap.add_argument("--activation", default="swiglu")
     ap.add_argument("--capacity-factor", type=float, default=None)
     ap.add_argument("--router", default="token_choice", choices=("token_choice", "expert_choice"))
+    ap.add_argument("--gates-in-experts", action="store_true",
+                    help="the gates applied inside the experts (moe.gates_in_experts)")
     a = ap.parse_args(argv)
     got = layer_census(a.tokens, a.d_model, a.d_ff, a.experts, a.top_k, a.activation,
-                       capacity_factor=a.capacity_factor, router=a.router)
-    print(f"T={a.tokens} D={a.d_model} F={a.d_ff} E={a.experts} k={a.top_k} {a.activation} bf16: "
+                       capacity_factor=a.capacity_factor, router=a.router,
+                       gates_in_experts=a.gates_in_experts)
+    where = ", gates in the experts" if a.gates_in_experts else ""
+    print(f"T={a.tokens} D={a.d_model} F={a.d_ff} E={a.experts} k={a.top_k} {a.activation} bf16{where}: "
           f"{got['ops']} ops, {got['syncs']} host syncs, {got['bytes_x']}x the input's bytes "
           f"outside GEMMs")
     print("most bytes: " + ", ".join(f"{n} {b}x" for n, b in got["top_bytes"][:4]))

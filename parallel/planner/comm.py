@@ -62,7 +62,7 @@ from collections import Counter
 from moe.wire import named_formats, wire_row_bytes
 
 from ..ledger import KINDS, classify
-from .expert_nodes import DISPATCH_CALLS, ep_nodes, expert_a2a_bytes, nodes_per_token
+from .expert_nodes import DISPATCH_CALLS, dispatch_mode, ep_nodes, expert_a2a_bytes, nodes_per_token
 from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
 from .rank_state import muon_facts
 
@@ -196,11 +196,11 @@ def _experts(w, plan, state, book, node_size: int) -> None:
         own = tokens * moe.top_k
         if moe.capacity_factor and moe.capacity_factor < 1:
             own *= moe.capacity_factor
-        a, b = expert_a2a_bytes(getattr(moe, "dispatch", "flat"), tokens, own, r, nu, nodes,
+        a, b = expert_a2a_bytes(dispatch_mode(moe), tokens, own, r, nu, nodes,
                                 moe.num_experts, rows, passes)
         intra, inter = intra + a * len(moe_blocks), inter + b * len(moe_blocks)
     m = micro_count(w, plan)
-    spread, inside = a2a_calls(getattr(moe, "dispatch", "flat"), passes)
+    spread, inside = a2a_calls(dispatch_mode(moe), passes)
     per = len(moe_blocks) * len(w.stream_tokens) * m
     if inter:   # a call that reaches another node pays the network's latency (step_time.py)
         book("a2a", "ep@intra", intra * m, inside * per)
@@ -235,8 +235,9 @@ def _expert_tensor(w, plan, moe_blocks, book) -> None:
     """moe/expert_tp.py per MoE layer and micro-batch, N = the rows this rank's experts got
     (r A under ep, else A), n = etp: the gather hands over its N rows once per rank (n N rows)
     and the partial outputs of the group's n N rows go back (n N rows); backward mirrors
-    both; plus the n x W int64 count table (W = E/ep local experts). Recomputation repeats
-    the forward."""
+    both; plus the n x W int64 count table (W = E/ep local experts); under
+    moe.gates_in_experts the rows' fp32 gates are gathered beside them (n N x 4 bytes) and
+    their gradients come back. Recomputation repeats the forward."""
     moe, seqs, n = w.moe_cfg, micro_seqs(w, plan), plan.etp
     passes = 3 if plan.recompute == "full" else 2
     r = 1.0 if plan.ep == 1 else \
@@ -247,10 +248,12 @@ def _expert_tensor(w, plan, moe_blocks, book) -> None:
         if moe.capacity_factor and moe.capacity_factor < 1:
             own *= moe.capacity_factor
         rows += len(moe_blocks) * passes * 2 * n * r * own
+    gated = getattr(moe, "gates_in_experts", False)
     table = n * (moe.num_experts // plan.ep) * 8 * len(moe_blocks) * len(w.stream_tokens)
     table *= passes - 1
-    calls = (2 * passes + passes - 1) * len(moe_blocks) * len(w.stream_tokens)
-    book("a2a", "etp", (rows * w.model_cfg.d_model * 4 + table) * micro_count(w, plan),
+    gates = rows / 2 * 4 if gated else 0.0   # one fp32 per gathered row, each way
+    calls = (2 * passes + passes - 1 + (passes if gated else 0)) * len(moe_blocks) * len(w.stream_tokens)
+    book("a2a", "etp", (rows * w.model_cfg.d_model * 4 + table + gates) * micro_count(w, plan),
          calls * micro_count(w, plan))
 
 

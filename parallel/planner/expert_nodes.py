@@ -31,12 +31,20 @@ K experts spread uniformly over its M kept nodes).
 from dataclasses import dataclass
 from math import comb
 
-from moe.ep_dispatcher import FLAT_CALLS
-from moe.hierarchical import HIERARCHICAL_CALLS
+from moe.ep_dispatcher import FLAT_CALLS, FLAT_GATE_CALLS
+from moe.hierarchical import HIERARCHICAL_CALLS, HIERARCHICAL_GATE_CALLS
 
 from ..plan import ep_group_of
 
-DISPATCH_CALLS = {"flat": FLAT_CALLS, "hierarchical": HIERARCHICAL_CALLS}   # by moe.dispatch
+# by dispatch_mode: moe.dispatch, "+gates" under moe.gates_in_experts (the gates' exchanges)
+DISPATCH_CALLS = {"flat": FLAT_CALLS, "hierarchical": HIERARCHICAL_CALLS,
+                  "flat+gates": FLAT_GATE_CALLS, "hierarchical+gates": HIERARCHICAL_GATE_CALLS}
+
+
+def dispatch_mode(moe) -> str:
+    """The key of the MoE config's dispatcher table in DISPATCH_CALLS."""
+    mode = getattr(moe, "dispatch", "flat")
+    return mode + "+gates" if getattr(moe, "gates_in_experts", False) else mode
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ def expert_a2a_bytes(mode: str, tokens: float, own: float, r: float, nu: float,
     """(bytes inside the node, bytes across nodes) of one MoE layer's all-to-alls for one
     micro-batch on this rank: forward `passes` times, backward once."""
     d, c, b = rows
-    U = min(tokens * nu, own) if mode == "hierarchical" else own
+    U = min(tokens * nu, own) if mode.startswith("hierarchical") else own
     sizes = dict(P=nodes.ep, E=E, A=own, A1=own, U=U, U1=U, N=r * own, d=d, c=c, b=b)
     spread = inside = 0.0
     for call in DISPATCH_CALLS[mode]:

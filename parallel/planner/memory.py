@@ -25,7 +25,9 @@ autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
   dense FFN              2 D + 2 F (3 F gated)
   MoE FFN                2 D + 2 E fp32 (router logits/probs)
                          + r K (2 D + 2 F_e (3 F_e gated))   dispatched rows: the experts'
-                         input and the combine's saved output (etp: (1 + etp) D)
+                         input and the combine's saved output (etp: (1 + etp) D); under
+                         moe.gates_in_experts r K (D + F_e (2 F_e gated) + an fp32 gate):
+                         no output, and no activation output but under fp8 (moe/row_gates.py)
                          + 2 F_s (3 F_s gated)   shared experts, F_s = their d_ff in all
   with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
   recompute=full keeps D per block and rebuilds one block at a time in backward.
@@ -68,6 +70,7 @@ Phases (each on top of params + optimizer state):
                   + the owner's received pieces, each owned matrix whole and two
                   Newton-Schulz temporaries of it)
 """
+import dataclasses
 from dataclasses import dataclass
 
 from ..pipeline.schedules import in_flight
@@ -169,14 +172,17 @@ def block_act_terms(w, i: int, stream: str, plan) -> dict:
         r = w.imbalance if plan.ep > 1 else 1.0
         if plan.ep > 1 and moe.capacity_factor:
             r = min(r, moe.capacity_factor)
-        hidden = (3 if w.gated else 2) * w.expert_d_ff
+        hidden = _routed_hidden(w, plan)
         # per routed row: the experts' input D (the grouped FFN's saved x) and output D (the
         # weighted combine's saved y), and the expert's hidden; under etp each rank holds the
         # etp rows of its group (etp x D) with 1/etp of the hidden each
         out["moe input, output"] = 2 * D
         out["router (fp32 logits, probabilities)"] = 2 * moe.num_experts * 4 / a
         out["expert rows in"] = r * moe.top_k * D
-        out["combine's saved expert outputs"] = r * moe.top_k * plan.etp * D
+        if getattr(moe, "gates_in_experts", False):   # the combine keeps nothing; the experts
+            out["gates kept by the experts (fp32)"] = r * moe.top_k * plan.etp * 4 / a  # a gate a row
+        else:
+            out["combine's saved expert outputs"] = r * moe.top_k * plan.etp * D
         out["expert hidden"] = r * moe.top_k * hidden
         if _shared_d_ff(w):
             out["shared experts' hidden"] = (3 if w.gated else 2) * _shared_d_ff(w)
@@ -196,8 +202,34 @@ def first_block_terms(w, plan, state) -> dict:
     return {} if pick is None else block_act_terms(w, pick, "decoder", plan)
 
 
+def gates_in_experts_saving(w, plan, state) -> float:
+    """Elements per token the stage's first MoE block would keep less with moe.gates_in_experts
+    on (0 when it is on already, or the stage has no MoE block)."""
+    if not w.has_moe() or getattr(w.moe_cfg, "gates_in_experts", False):
+        return 0.0
+    on = dataclasses.replace(w, moe_cfg=dataclasses.replace(w.moe_cfg, gates_in_experts=True))
+    here = first_block_terms(w, plan, state)
+    if "combine's saved expert outputs" not in here:
+        return 0.0
+    return sum(here.values()) - sum(first_block_terms(on, plan, state).values())
+
+
 def _shared_d_ff(w) -> int:
     return w.moe_cfg.num_shared_experts * w.expert_d_ff
+
+
+def _fused_gates(w, plan) -> bool:
+    """moe.gates_in_experts on the fused expert paths (every precision but fp8): the gated
+    hidden is computed again in backward (moe/row_gates.py), never kept; the FP8 paths' GEMM
+    keeps it as its input."""
+    return bool(getattr(w.moe_cfg, "gates_in_experts", False)) and plan.precision != "fp8"
+
+
+def _routed_hidden(w, plan) -> int:
+    """Elements of a routed row's hidden the experts keep: the pre-activations (2 F gated,
+    else F) and the activation output F, which fused gates do not keep."""
+    glu = 3 if w.gated else 2
+    return (glu - 1 if _fused_gates(w, plan) else glu) * w.expert_d_ff
 
 
 def recompute_saved_elems(w, i: int, plan) -> float:
@@ -225,6 +257,8 @@ class _BlockFacts:
     top_k: int
     F_e: int         # an expert's d_ff
     F_s: int         # the shared experts' d_ff (0 in a dense block)
+    hidden: int      # a routed row's kept hidden (_routed_hidden; 0 in a dense block)
+    fused_gates: bool  # no activation output kept for routed rows (_fused_gates)
 
     @classmethod
     def of(cls, w, i: int, plan) -> "_BlockFacts":
@@ -235,7 +269,8 @@ class _BlockFacts:
         return cls(frozenset(plan.recompute_parts), w.model_cfg, act_bytes(plan.precision),
                    w.model_cfg.d_model, 3 if w.gated else 2, moe, r,
                    w.moe_cfg.top_k if moe else 0, w.expert_d_ff if moe else 0,
-                   _shared_d_ff(w) if moe else 0)
+                   _shared_d_ff(w) if moe else 0, _routed_hidden(w, plan) if moe else 0,
+                   moe and _fused_gates(w, plan))
 
 
 def _layernorm_freed(b) -> tuple:
@@ -247,14 +282,14 @@ def _layernorm_freed(b) -> tuple:
 
 
 def _experts_freed(b) -> tuple:
-    return (b.r * b.top_k * b.glu * b.F_e,) if b.moe else ()
+    return (b.r * b.top_k * b.hidden,) if b.moe else ()
 
 
 def _moe_act_freed(b) -> tuple:
     """The activation outputs, where experts / shared_experts do not free them already."""
     if not b.moe:
         return ()
-    routed = () if "experts" in b.parts else (b.r * b.top_k * b.F_e,)
+    routed = () if "experts" in b.parts or b.fused_gates else (b.r * b.top_k * b.F_e,)
     return routed + (() if "shared_experts" in b.parts else (b.F_s,))
 
 

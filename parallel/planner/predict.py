@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
 from .flops import model_flops, mtp_flops_per_token, rank_flops
-from .memory import (MTP_EXTRA, activations, block_act_elems, first_block_terms, micro_seqs,
+from .memory import (MTP_EXTRA, activations, block_act_elems, first_block_terms,
+                     gates_in_experts_saving, micro_seqs,
                      model_state, peak_bytes)
 from .rank_state import read_rank_state, with_cp
 from .traced_bytes import rank_bytes, step_bytes
@@ -40,6 +41,7 @@ class StagePrediction:
     breakdown_s: dict = field(default_factory=dict)  # step_s by part (step_time.stage_breakdown)
     act_terms: dict = field(default_factory=dict)  # {term: elements per token} of the stage's
     # first MoE block (else its first block), before recomputation (memory.block_act_terms)
+    gates_saving: float = 0.0   # elements per token that block keeps less with moe.gates_in_experts
 
 
 @dataclass
@@ -188,7 +190,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden),
             membound, membound_s, breakdown,
-            first_block_terms(w, plan, state)))
+            first_block_terms(w, plan, state), gates_in_experts_saving(w, plan, state)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())

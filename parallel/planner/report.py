@@ -211,6 +211,10 @@ def layout_report(pred, memory: list, found: list, hw) -> str:
                       "micro-batch-chunk, divided by tp and cp):",
                   "  " + ", ".join(f"{k} {v:.0f}" for k, v in terms.items())
                   + f" = {sum(terms.values()):.0f}"]
+        save = p.stages[0].gates_saving
+        if save:
+            lines.append(f"  moe.gates_in_experts=true keeps {save:.0f} of them less ({save / sum(terms.values()):.0%}: "
+                         f"the combine's saved outputs and the activation output; moe/row_gates.py)")
     if p.mtp:
         t = p.mtp
         lines += ["", f"multi-token prediction ({t['depths']} depth{'s' * (t['depths'] > 1)}, on the last "

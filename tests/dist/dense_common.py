@@ -82,15 +82,16 @@ def my_block(name, ref_grad, meshes, plan):
     return ffn_block(block, pname, j, plan.etp) if pname in FFN_DIMS and plan.etp > 1 else block
 
 
-def one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol):
+def one_step_check(world, spec, model_cfg, moe_cfg, grad_atol, grad_rtol, ref_moe_cfg=None):
     """One forward + backward of a layout on step 0's batch against one process:
     (max |logit diff| on this rank's dp share, [(name, max |grad diff|, atol + rtol * max|ref|)]
-    for every parameter (none under ZeRO-2, whose sync leaves flat slices), ledger bytes by kind)."""
+    for every parameter (none under ZeRO-2, whose sync leaves flat slices), ledger bytes by kind).
+    ref_moe_cfg: the one process's MoE config when it differs (default moe_cfg)."""
     from parallel.apply import parallelize
     from parallel.dtensors import local
     from parallel.mesh import build_meshes
     from parallel.plan import ParallelPlan
-    ref_logits, ref_grads = one_process_grads(model_cfg, moe_cfg)
+    ref_logits, ref_grads = one_process_grads(model_cfg, ref_moe_cfg or moe_cfg)
     plan = ParallelPlan(**spec).validate(world, model_cfg, moe_cfg, B)
     meshes = build_meshes(plan)
     par = parallelize(make_model(model_cfg, moe_cfg), plan, meshes, loss_fn=task_loss)

@@ -38,6 +38,8 @@ FP8_DISPATCH = ["moe.dispatch_dtype=fp8"]
 HIER = ["moe.dispatch=hierarchical"]
 HIER_FP8 = HIER + ["moe.dispatch_dtype=fp8"]
 MTP = ["model.mtp_depth=2"]  # two multi-token prediction depths (MoE blocks, their heads' logits)
+GATES = ["moe.gates_in_experts=true"]  # the gates inside the experts: their own all-to-all, no
+# combine outputs kept (moe/row_gates.py)
 NODES_PER_TOKEN = {tuple(HIER): 1.0, tuple(HIER_FP8): 1.0}
 LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep are inside the
     # zero-1 and composed layouts (same all-reduce and all-to-all terms), to keep the launches few
@@ -90,6 +92,8 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # activations and logits (under tp: their norms' and projection's gradients summed)
     (2, {"dp": 2, "ep": 2, "zero": 1}, MTP),
     (2, {"dp": 1, "tp": 2}, MTP),
+    # the gates applied inside the experts under expert parallelism (flat dispatch)
+    (2, {"dp": 2, "ep": 2}, GATES),
 ]
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.20
 
@@ -138,7 +142,8 @@ def test_planner_predicts_measured_runs(tmp_path):
     for (world, spec, *extra), (_, args), recs in zip(LAYOUTS, jobs, measured):
         name = f"w{world} " + ({tuple(SWITCH): "switch ", tuple(MUON): "muon ",
                                  tuple(FP8_DISPATCH): "fp8 dispatch ", tuple(HIER): "hierarchical ",
-                                 tuple(HIER_FP8): "hierarchical fp8 ", tuple(MTP): "mtp2 "}[tuple(extra[0])]
+                                 tuple(HIER_FP8): "hierarchical fp8 ", tuple(MTP): "mtp2 ",
+                                 tuple(GATES): "gates in experts "}[tuple(extra[0])]
                                if extra else "") + \
             (" ".join(f"{k}={v}" for k, v in spec.items()) or "single")
         pred = _predict(world, args, NODES_PER_TOKEN.get(tuple(extra[0]) if extra else (), 0.0))

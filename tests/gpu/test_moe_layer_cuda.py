@@ -26,7 +26,10 @@ pytestmark = pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("impl", ["loop", "grouped_mm", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cf", [None, 1.25])
-def test_layer_on_cuda_matches_cpu(impl, dtype, cf):
+@pytest.mark.parametrize("gated", [False, True], ids=["combine_gates", "gates_in_experts"])
+def test_layer_on_cuda_matches_cpu(impl, dtype, cf, gated):
+    """The CUDA layer (with the gates in the experts: moekit's fused weighted activation, one
+    compiled kernel each way) against the CPU loop layer that weighs in the combine."""
     dev = torch.device("cuda")
     if impl == "grouped_mm" and unsupported_reason(dev, dtype, D, F):
         with pytest.raises(ValueError, match="experts_impl='grouped_mm' cannot run here"):
@@ -36,6 +39,7 @@ def test_layer_on_cuda_matches_cpu(impl, dtype, cf):
     ref = MoELayer(D, F, E, top_k=K, capacity_factor=cf, activation="swiglu", experts_impl="loop")
     gpu = copy.deepcopy(ref)
     gpu.experts.experts_impl = impl
+    gpu.gates_in_experts = gated
     gpu = gpu.to(dev, dtype)
     ref = ref.to(dtype)
     x = torch.randn(4, 32, D).to(dtype)
@@ -92,8 +96,8 @@ def test_cpu_peak_counter_agrees_with_the_cuda_allocator():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=1.25), dict(router="expert_choice"),
-                                dict(score_func="sigmoid")],
-                         ids=["dropless", "capacity", "expert_choice", "sigmoid"])
+                                dict(score_func="sigmoid"), dict(gates_in_experts=True)],
+                         ids=["dropless", "capacity", "expert_choice", "sigmoid", "gates_in_experts"])
 def test_one_process_layer_never_waits_for_the_gpu(kw):
     """bf16 grouped_mm layer forward+backward under torch.cuda.set_sync_debug_mode("error"):
     any host sync (an .item(), a nonzero, a copy to the host) raises."""

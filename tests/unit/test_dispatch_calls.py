@@ -19,8 +19,8 @@ import torch
 
 import moe.all_to_all as a2a_module
 import moe.ep_dispatcher as ep_module
-from moe.ep_dispatcher import FLAT_CALLS, ExpertParallelDispatcher
-from moe.hierarchical import HIERARCHICAL_CALLS, HierarchicalDispatcher
+from moe.ep_dispatcher import FLAT_CALLS, FLAT_GATE_CALLS, ExpertParallelDispatcher
+from moe.hierarchical import HIERARCHICAL_CALLS, HIERARCHICAL_GATE_CALLS, HierarchicalDispatcher
 from moe.nodes import ExpertNodes
 from moe.routing import Routing, count_ids
 from moe.wire import Wire, wire_row_bytes
@@ -29,7 +29,8 @@ from parallel.planner.expert_nodes import EpNodes, expert_a2a_bytes
 
 P, E, K, T, D = 4, 8, 3, 6, 160   # D: one full fp8 tile and a short one
 NODES = ExpertNodes((0, 0, 1, 1))
-TABLES = {"flat": FLAT_CALLS, "hierarchical": HIERARCHICAL_CALLS}
+TABLES = {"flat": FLAT_CALLS, "hierarchical": HIERARCHICAL_CALLS,   # "+gates": moe.gates_in_experts
+          "flat+gates": FLAT_GATE_CALLS, "hierarchical+gates": HIERARCHICAL_GATE_CALLS}
 # rows out in fp8, back in fp32, gradients in bf16 both ways: d, c and b all differ
 DISPATCH_WIRE, COMBINE_WIRE = Wire("fp8", torch.bfloat16), Wire(torch.float32, torch.bfloat16)
 ROWS = dict(d=wire_row_bytes("fp8", D), c=wire_row_bytes(torch.float32, D),
@@ -73,11 +74,15 @@ def _routing(rank: int) -> Routing:
 def _one_rank(ex, rank: int, mode: str, sizes: dict) -> None:
     """Dispatch, a stand-in expert, combine and backward on `rank`; its counts into sizes."""
     ex.local.rank, ex.local.phase = rank, "forward"
-    disp = ExpertParallelDispatcher(E, "ep") if mode == "flat" else \
+    disp = ExpertParallelDispatcher(E, "ep") if mode.startswith("flat") else \
         HierarchicalDispatcher(E, "ep", 0, NODES)
     x_TD = torch.randn(T, D, generator=torch.Generator().manual_seed(10 + rank), requires_grad=True)
     x_ND, _, meta = disp.dispatch(x_TD, _routing(rank), DISPATCH_WIRE)
-    y_TD = disp.combine(2 * x_ND, meta, torch.float32, COMBINE_WIRE)
+    if mode.endswith("+gates"):   # the stand-in expert applies the gates; the combine sums
+        y_ND = 2 * x_ND * disp.gates(meta).unsqueeze(1)
+        y_TD = disp.combine(y_ND, meta, torch.float32, COMBINE_WIRE, weighted=False)
+    else:
+        y_TD = disp.combine(2 * x_ND, meta, torch.float32, COMBINE_WIRE)
     ex.local.phase = "backward"
     (y_TD * torch.linspace(-1, 1, D)).sum().backward()
     mine = dict(P=P, E=E, A=T * K, N=sum(meta.recv_splits), **ROWS)   # dropless: A = T K
@@ -109,7 +114,7 @@ def _run(mode: str, monkeypatch) -> tuple:
     return ex.calls, sizes
 
 
-@pytest.mark.parametrize("mode", ["flat", "hierarchical"])
+@pytest.mark.parametrize("mode", list(TABLES))
 def test_the_dispatchers_issue_their_tables_calls_and_the_planner_prices_them(mode, monkeypatch):
     calls, sizes = _run(mode, monkeypatch)
     table = TABLES[mode]

@@ -1,19 +1,22 @@
 """The one-process dropless layer captures as one graph (torch.compile fullgraph=True, so any
 graph break raises) and is not recompiled for new routings: three batches with different
-routings, one graph. Dynamo's capture is what breaks on host syncs; the eager backend keeps
+routings, one graph; with the gates in the experts (moe.gates_in_experts) too. Dynamo's capture is what breaks on host syncs; the eager backend keeps
 the test fast (inductor's code generation does not add or remove breaks)."""
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from moe import MoELayer
 
 
-def test_dropless_layer_compiles_fullgraph_without_recompiles():
+@pytest.mark.parametrize("gated", [False, True], ids=["weighted_combine", "gates_in_experts"])
+def test_dropless_layer_compiles_fullgraph_without_recompiles(gated):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    layer = MoELayer(64, 128, 8, 2, None, "swiglu", experts_impl="grouped_mm").bfloat16()
-    ref = MoELayer(64, 128, 8, 2, None, "swiglu", experts_impl="grouped_mm").bfloat16()
+    kw = dict(experts_impl="grouped_mm", gates_in_experts=gated)
+    layer = MoELayer(64, 128, 8, 2, None, "swiglu", **kw).bfloat16()
+    ref = MoELayer(64, 128, 8, 2, None, "swiglu", **kw).bfloat16()
     ref.load_state_dict(layer.state_dict())
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
     routings = []

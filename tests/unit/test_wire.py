@@ -96,8 +96,8 @@ def test_layer_rounds_at_the_exchange_points(mode):
     got_layer, ref_layer = _layer(mode), _layer("fp32")
     disp, comb = wire_formats(mode, x)
 
-    def experts_by_hand(x_ND, counts, extend, padded=False):   # rows in and out, rounded
-        y_ND = ref_layer.experts(round_trip(x_ND, disp), counts, extend, padded)
+    def experts_by_hand(x_ND, counts, extend, padded=False, gate_N=None):   # rows in and out, rounded
+        y_ND = ref_layer.experts(round_trip(x_ND, disp), counts, extend, padded, gate_N=gate_N)
         return round_trip(y_ND, comb)
     ref_layer._run_experts = experts_by_hand
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
