@@ -10,7 +10,8 @@ Each run is predicted by `python -m parallel.planner --layout` on the shipped co
 model, the H100 preset (H800 for DeepSeek-V3; hardware.py: one set of constants per preset,
 nothing fitted to these runs), the published layout, global batch and sequence length, and
 its features encoded as
-overrides (precision, dispatch, overlap, recomputation). Every row is read at the
+overrides (precision, dispatch, overlap, recomputation; the Megatron runs' gates applied inside
+the experts, moe.gates_in_experts, as Megatron-Core does). Every row is read at the
 prediction (`step_s`: what the configured all-to-all overlap hides is taken off,
 parallel/planner/step_time.py), with and without the overlap alike; the bound with every
 overlappable collective hidden (`step_s_min`) is printed beside it. Published TFLOP/s are turned
@@ -52,28 +53,32 @@ BF16 = ["parallel.precision=bf16"]
 BF16_PARAMS = ["parallel.param_dtype=bf16"]
 FP8 = ["parallel.precision=fp8"]
 OVERLAP = ["parallel.a2a_overlap=1f1b"]
+# Megatron-Core applies the router probabilities inside the experts' activation (its
+# TEGroupedMLP's weighted SwiGLU; its unpermute takes no probabilities): moe.gates_in_experts
+MEGATRON = ["moe.gates_in_experts=true"]
 HW = "--hw="   # a run's preset, among its overrides (default h100)
 # (run, config, world, layout, overrides, published, unit, what differs from the published run)
 RUNS = [
     ("Qwen3-30B-A3B, a2a overlap off", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
-     BF16 + BF16_PARAMS + ["train.batch_size=1024", "train.micro_batch_size=1"], 244.0, "TFLOP/s", ""),
+     BF16 + BF16_PARAMS + MEGATRON + ["train.batch_size=1024", "train.micro_batch_size=1"], 244.0,
+     "TFLOP/s", ""),
     ("Qwen3-30B-A3B, a2a overlap on", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
-     BF16 + BF16_PARAMS + OVERLAP + ["train.batch_size=1024", "train.micro_batch_size=1"], 287.0,
+     BF16 + BF16_PARAMS + MEGATRON + OVERLAP + ["train.batch_size=1024", "train.micro_batch_size=1"], 287.0,
      "TFLOP/s", ""),
     ("Qwen3-235B-A22B, overlap off", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs1 z1 rc=moe_act",
-     BF16 + ["train.batch_size=2048"], 245.0, "TFLOP/s", "moe_act only"),
+     BF16 + MEGATRON + ["train.batch_size=2048"], 245.0, "TFLOP/s", "moe_act only"),
     ("Qwen3-235B-A22B, overlap on", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs1 z1 rc=moe_act",
-     BF16 + OVERLAP + ["train.batch_size=2048"], 276.0, "TFLOP/s", "moe_act only"),
+     BF16 + MEGATRON + OVERLAP + ["train.batch_size=2048"], 276.0, "TFLOP/s", "moe_act only"),
     # NeMo Megatron-Bridge's performance summary (DGX-H100, 25.11 container): FP8 GEMMs with
     # current scaling, experts force-balanced; kept from the table's first version
     # the overlap as moekit can run it under this interleaved pipeline: chunked (d = 2)
     ("Qwen3-235B-A22B, overlap on, chunks", "qwen3_235b_a22b", 256,
-     "tp2 pp8 vp4 ep32 mbs1 z1 rc=moe_act", BF16 + ["train.batch_size=2048", "moe.a2a_overlap_degree=2"],
+     "tp2 pp8 vp4 ep32 mbs1 z1 rc=moe_act", BF16 + MEGATRON + ["train.batch_size=2048", "moe.a2a_overlap_degree=2"],
      276.0, "TFLOP/s", "moe_act only; chunked overlap"),
     ("Qwen3-30B-A3B, NeMo 25.11 FP8", "qwen3_30b_a3b", 16, "pp2 vp24 ep8 mbs2 z1",
-     FP8 + ["train.batch_size=512", "moe.force_balance=true"], 121.0, "TFLOP/s", ""),
+     FP8 + MEGATRON + ["train.batch_size=512", "moe.force_balance=true"], 121.0, "TFLOP/s", ""),
     ("Qwen3-235B-A22B, NeMo 25.11 FP8", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs1 z1",
-     FP8 + ["train.batch_size=2048", "moe.force_balance=true"], 233.0, "TFLOP/s", ""),
+     FP8 + MEGATRON + ["train.batch_size=2048", "moe.force_balance=true"], 233.0, "TFLOP/s", ""),
     ("DeepSeek-V3, its report", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1 dualpipev rc=mla_up_proj+layernorm",
      ["parallel.precision=fp8"] + OVERLAP + ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical",
                                              "moe.max_nodes=4", HW + "h800"],
