@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .fusion import run_fused
 
@@ -113,6 +114,15 @@ def _gated_autograd(ctx, grad):
 gated_act.register_autograd(_gated_autograd, setup_context=_gated_setup)
 
 
+def _same_dtensors(h1, h3) -> bool:
+    """Two DTensors laid out alike, shards or replicas (an elementwise op runs on their local
+    tensors as is)."""
+    return (isinstance(h1, DTensor) and isinstance(h3, DTensor) and h1.placements == h3.placements
+            and h1.device_mesh == h3.device_mesh and h1.shape == h3.shape
+            and all(p.is_shard() or p.is_replicate() for p in h1.placements)   # no pending sums
+            and type(h1.to_local()) is torch.Tensor)
+
+
 @dataclass(frozen=True)
 class Activation:
     """`act(h1, h3=None)` -> a; `act.backward(da, h1, h3=None)` -> (dh1, dh3 or None).
@@ -139,7 +149,11 @@ class Activation:
     def __call__(self, h1, h3=None):
         if not self.gated:
             return self.base(h1)
-        if type(h1) is not torch.Tensor or type(h3) is not torch.Tensor:  # DTensor, subclasses
+        if _same_dtensors(h1, h3):   # tensor parallelism's F shards: the fused op on each
+            out = gated_act(self.name, h1.to_local(), h3.to_local(), self.alpha, self.limit)
+            return DTensor.from_local(out, h1.device_mesh, h1.placements, run_check=False,
+                                      shape=h1.shape, stride=h1.stride())
+        if type(h1) is not torch.Tensor or type(h3) is not torch.Tensor:  # other subclasses
             return _gated_forward(self.name, h1, h3, self.alpha, self.limit)
         return gated_act(self.name, h1, h3, self.alpha, self.limit)
 

@@ -24,6 +24,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
 
 from parallel.dtensors import local
 
@@ -82,8 +83,12 @@ def _tensors(out):
 
 
 def _storage_key(t):
-    """((device type, data pointer), bytes) of t's storage; (None, 0) for tensors without
-    one of their own (wrapper subclasses such as DTensor or async collective results)."""
+    """((device type, data pointer), bytes) of t's storage -- a DTensor's its local tensor's
+    (the mode sees a DTensor op's result, not the local ops inside it: without this every
+    tensor-parallel activation went uncounted); (None, 0) for tensors without one of their
+    own (other wrapper subclasses, async collective results)."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
     try:
         storage = t.untyped_storage()
         return (t.device.type, storage.data_ptr()), storage.nbytes()

@@ -42,7 +42,9 @@ autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
                     after their norms, which the recomputed part runs, and the norms' rstd)
     core_attn       H x 4/a (the fused kernel's log-sum-exp; its q, k, v and output are
                     kept by the layers around it)
-  Sequence parallelism and MoE sequence splitting divide all of it by tp. The 2-D grid
+  Sequence parallelism and MoE sequence splitting divide all of it by tp, but for the
+  attention's input and a dense FFN's, which 1-D tensor parallelism gathers over the sequence
+  before the column-parallel projections keep them: (tp - 1) D more each. The 2-D grid
   (tp_mode 2d/2.5d) is modelled the same way: its gathered matmul inputs (2 T D/(d q) per
   block) are larger than T D/tp, its other tensors are T x/tp (bench/tensor_parallel.py).
   The last stage adds the loss: the logits and their gradient, 2 x a bytes per vocabulary
@@ -191,6 +193,12 @@ def block_act_terms(w, i: int, stream: str, plan) -> dict:
         out["ffn hidden"] = (3 if w.gated else 2) * m.d_ff
     if a != 4:  # autocast: the residual stream stays fp32 (the embedding's output plus fp32
         out["fp32 residual under autocast"] = 2 * D * (4 / a - 1)  # sums): fp32 norm inputs
+    if plan.tp > 1 and plan.tp_mode == "1d":
+        # sequence parallelism gathers the attention's input (and a dense FFN's) before its
+        # column-parallel projections, which keep it whole: tp D where the norm output above
+        # counts D (parallel/tensor/one_d.py; the MoE FFN runs on the sequence shards)
+        readers = 1 if w.is_moe_block(i) else 2
+        out["tp-gathered matmul inputs"] = readers * (plan.tp - 1) * D
     return out
 
 
