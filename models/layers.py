@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from moe import DenseFFN, MoELayer
 
+from moe.cast_once import readers
+
 
 class Linear(nn.Linear):
     """nn.Linear with weight ~ N(0, init_std) and zero bias."""
@@ -115,8 +117,14 @@ class Attention(nn.Module):
         """Query, key and value heads [B, H, S or L, Dh], rotary applied with the given tables
         (None: none); keys/values repeated to every query head (repeat=False: one per kv head,
         what a KV cache keeps)."""
-        kv_BLD = x_BSD if kv_BLD is None else kv_BLD
-        q, k, v = self._heads(self.wq(x_BSD)), self._heads(self.wk(kv_BLD)), self._heads(self.wv(kv_BLD))
+        kv = x_BSD if kv_BLD is None else kv_BLD
+        if not _plain_linears(self.wq, self.wk, self.wv):   # FP8 Linears cast for themselves
+            x_q, x_k, x_v = x_BSD, kv, kv
+        elif kv_BLD is None:   # self-attention: one low-precision copy for the three (cast_once.py)
+            x_q, x_k, x_v = readers(x_BSD, 3)
+        else:
+            x_q, (x_k, x_v) = x_BSD, readers(kv_BLD, 2)
+        q, k, v = self._heads(self.wq(x_q)), self._heads(self.wk(x_k)), self._heads(self.wv(x_v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_SH is not None:
@@ -216,9 +224,12 @@ class LatentAttention(Attention):
         if kv_BLD is not None:
             raise ValueError("model.attention='mla' is self-attention only")
         N, R = self.head_dim, self.rope_dim
-        q_a = self.wq_a(x_BSD) if self.q_lora else None
-        latent_C, k_rot = self.wkv_a(x_BSD).split([self.kv_rank, R], dim=-1)
-        q_lin, kv_lin = self.up(x_BSD if q_a is None else q_a, latent_C)
+        first = self.wq_a if self.q_lora else self.wq
+        # one low-precision copy for both (cast_once.py); FP8 Linears cast for themselves
+        x_q, x_kv = readers(x_BSD, 2) if _plain_linears(first, self.wkv_a) else (x_BSD, x_BSD)
+        q_a = self.wq_a(x_q) if self.q_lora else None
+        latent_C, k_rot = self.wkv_a(x_kv).split([self.kv_rank, R], dim=-1)
+        q_lin, kv_lin = self.up(x_q if q_a is None else q_a, latent_C)
         q_nope, q_rot = self._heads(q_lin, N + R).split([N, R], dim=-1)
         k_nope, v = self._heads(kv_lin, N + self.v_dim).split([N, self.v_dim], dim=-1)
         k_rot = k_rot.unsqueeze(1)                                   # [B, 1, S, R]
@@ -235,6 +246,12 @@ class LatentAttention(Attention):
         latents and the projections are then not kept)."""
         q_lin = self.wq_b(self.q_a_norm(q_in)) if self.q_lora else self.wq(q_in)
         return q_lin, self.wkv_b(self.kv_norm(latent_C))
+
+
+def _plain_linears(*mods) -> bool:
+    """The projections are this file's Linear (their input cast by autocast), not swapped for
+    FP8 ones (parallel/fp8.py), which quantize their own input."""
+    return all(type(m) is Linear for m in mods)
 
 
 def flash_reads_kv_groups(q: torch.Tensor, mask) -> bool:

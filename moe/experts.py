@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .activations import ACTIVATIONS, Activation, check_activation
+from .cast_once import readers
 from .fusion import is_plain
 from .fp8 import check_block_dims, device_fp8_kernels, fp8_matmul, grouped_fp8_ffn, grouped_fp8_kernel
 from .fp8_rowwise import rowwise_choice, rowwise_fp8_ffn, scaled_grouped_kernel
@@ -358,8 +359,9 @@ class ExpertBank(nn.Module):
         for e, x_nD in enumerate(torch.split(x_ND, counts)):
             if counts[e] == 0:
                 continue
-            h_nF = linear(x_nD, w1[e], None if b1 is None else b1[e])
-            h3_nF = linear(x_nD, w3[e], None if b3 is None else b3[e]) if self.gated else None
+            x1, x3 = readers(x_nD, 2) if self.gated else (x_nD, None)   # one low-precision copy
+            h_nF = linear(x1, w1[e], None if b1 is None else b1[e])
+            h3_nF = linear(x3, w3[e], None if b3 is None else b3[e]) if self.gated else None
             args = (self.act, h_nF, h3_nF, w2[e], None if b2 is None else b2[e], linear, gates[e])
             # moe_act on this path: the activation and w2 computed again in backward
             outs.append(checkpoint(_act_out, *args, use_reentrant=False) if self.act.recompute
