@@ -25,7 +25,7 @@ import torch
 
 from .all_to_all import start_exchange_in
 from .wire import arrival_dtype
-from .dispatcher import permute_rows, row_gates, weighted_combine
+from .dispatcher import permute_rows, weighted_combine
 from .ep_dispatcher import EPDispatchMeta
 
 __all__ = ["chunk_tables", "overlapped_experts"]
@@ -171,7 +171,7 @@ def overlapped_experts(dispatcher, x_TD, routing, run_experts, degree: int, out_
             fetched.append(dispatcher.expert_weights(weights, meta))
         return fetched[0]
 
-    g_A = row_gates(sp.local)[:x_AD.shape[0]].view(-1, 1) if gated else None
+    g_A = dispatcher.sent_gates(meta).view(-1, 1) if gated else None
 
     def issue(c):
         ex = plans[c]

@@ -204,13 +204,16 @@ class ExpertParallelDispatcher:
                      torch.cat([p, next(reps).reshape(-1, *p.shape[1:]).to(p.dtype)])
                      for p in params)
 
+    def sent_gates(self, meta: EPDispatchMeta) -> torch.Tensor:
+        """fp32 [A]: the gates of the rows this rank sends, in send order (differentiable)."""
+        return row_gates(meta.local)[:sum(meta.send_splits)]
+
     def gates(self, meta: EPDispatchMeta, waiter=None) -> torch.Tensor:
         """fp32 [N]: the gate of each row this rank's experts received, in the rows' order
-        (moe.gates_in_experts): the sent rows' gates travel as the rows did (one all_to_all,
-        fp32; its backward returns their gradients to the routers)."""
-        g_A = row_gates(meta.local)[:sum(meta.send_splits)]
-        g_N = all_to_all(g_A.view(-1, 1), list(meta.recv_splits), list(meta.send_splits),
-                         self.group, None, waiter).view(-1)
+        (moe.gates_in_experts): the sent gates travel as the rows did (one all_to_all, fp32;
+        its backward returns their gradients to the senders)."""
+        g_N = all_to_all(self.sent_gates(meta).view(-1, 1), list(meta.recv_splits),
+                         list(meta.send_splits), self.group, None, waiter).view(-1)
         return permute_rows(g_N, meta.perm_N, meta.unperm_N)
 
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,

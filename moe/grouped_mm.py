@@ -21,7 +21,7 @@ explicit grouped_mm below 8.0 fails with one line.
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .row_gates import gate_bias_grad, gate_column, weighted, weighted_backward
+from .row_gates import add_gated_bias, gate_bias_grad, gate_column, weighted, weighted_backward
 
 EXPERT_IMPLS = ("auto", "loop", "grouped_mm")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -148,7 +148,7 @@ class _GroupedMMFFN(torch.autograd.Function):
         else:  # moe.gates_in_experts: (g a) W2 + g b2, a computed again in backward
             a = None
             y_ND = _gmm(weighted(act, h1, h3, gate_N), w2, offs_E)
-            y_ND = y_ND if b2 is None else y_ND + gate_column(gate_N, h1.dtype) * b2[expert_N]
+            y_ND = y_ND if b2 is None else add_gated_bias(y_ND, b2[expert_N], gate_N)
         # rows past the last offset (dropped assignments) are left unwritten by the kernel
         live_N1 = (torch.arange(N, device=x_ND.device) < offs_E[-1]).unsqueeze(1) if padded else None
         y_ND = y_ND if live_N1 is None else torch.where(live_N1, y_ND, 0)

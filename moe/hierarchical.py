@@ -197,14 +197,11 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
                               ex.counts_L, sp.placement, hops, ex.perm_N)
         return permute_rows(x_ND, ex.perm_N, ex.unperm_N), list(ex.counts_L), meta
 
-    def gates(self, meta: EPDispatchMeta, waiter=None) -> torch.Tensor:
-        """fp32 [N]: the gate of each row this rank's experts received (moe.gates_in_experts):
-        the proxies forward the gates they hold beside hop 2's rows (one node-local
-        all_to_all; its backward returns the gradients to the proxy, and hop 1's gate
-        exchange to the routers)."""
-        g_N = all_to_all(meta.hops.gate_A1.view(-1, 1), list(meta.recv_splits),
-                         list(meta.send_splits), self.group, None, waiter).view(-1)
-        return permute_rows(g_N, meta.perm_N, meta.unperm_N)
+    def sent_gates(self, meta: EPDispatchMeta) -> torch.Tensor:
+        """fp32 [A1]: the gates this rank forwards as a proxy, in hop 2's send order (gates()
+        sends them beside hop 2's rows, a node-local exchange; its backward returns the
+        gradients to the proxy, and hop 1's gate exchange to the routers)."""
+        return meta.hops.gate_A1
 
     def combine(self, y_ND: torch.Tensor, meta: EPDispatchMeta, out_dtype, wire=None,
                 waiter=None, weighted: bool = True) -> torch.Tensor:

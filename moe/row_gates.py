@@ -46,12 +46,17 @@ def _weighted_gated(name: str, h1, h3, g, alpha: float, limit: float):
     return _gated_forward(name, h1, h3, alpha, limit) * gate_column(g, h1.dtype)
 
 
+def _gate_parts(dag, a, g) -> tuple:
+    """(the gate's gradient <dag, a>, the gradient through the gate dag g, the gated hidden
+    a g) of a gated hidden's gradient dag, a the hidden before its gate."""
+    col = gate_column(g, a.dtype)
+    return (dag * a).sum(-1, dtype=_acc(a.dtype)), dag * col, a * col
+
+
 def _weighted_gated_backward(name: str, dag, h1, h3, g, alpha: float, limit: float):
-    col = gate_column(g, h1.dtype)
-    a = _gated_forward(name, h1, h3, alpha, limit)
-    dg = (dag * a).sum(-1, dtype=_acc(h1.dtype))
-    dh1, dh3 = _gated_backward(name, dag * col, h1, h3, alpha, limit)
-    return dh1, dh3, dg, a * col
+    dg, da, ag = _gate_parts(dag, _gated_forward(name, h1, h3, alpha, limit), g)
+    dh1, dh3 = _gated_backward(name, da, h1, h3, alpha, limit)
+    return dh1, dh3, dg, ag
 
 
 @torch.library.custom_op("moekit::weighted_gated_act", mutates_args=())
@@ -96,10 +101,9 @@ def weighted_backward(act, dag, h1, h3, g_n) -> tuple:
     if _fused(act, dag, h1, h3, g_n):
         return weighted_gated_act_backward(act.name, dag.contiguous(), h1, h3, g_n, act.alpha,
                                            act.limit)
-    col = gate_column(g_n, h1.dtype)
-    a = act(h1, h3)
-    dh1, dh3 = act.backward(dag * col, h1, h3)
-    return dh1, dh3, (dag * a).sum(-1, dtype=_acc(h1.dtype)), a * col
+    dg, da, ag = _gate_parts(dag, act(h1, h3), g_n)
+    dh1, dh3 = act.backward(da, h1, h3)
+    return dh1, dh3, dg, ag
 
 
 def gate_bias_grad(dy_nD, b2_nD) -> torch.Tensor:

@@ -210,16 +210,13 @@ def first_block_terms(w, plan, state) -> dict:
     return {} if pick is None else block_act_terms(w, pick, "decoder", plan)
 
 
-def gates_in_experts_saving(w, plan, state) -> float:
-    """Elements per token the stage's first MoE block would keep less with moe.gates_in_experts
-    on (0 when it is on already, or the stage has no MoE block)."""
-    if not w.has_moe() or getattr(w.moe_cfg, "gates_in_experts", False):
+def gates_in_experts_saving(w, plan, state, terms: dict) -> float:
+    """Elements per token the stage's first MoE block (its first_block_terms, `terms`) would
+    keep less with moe.gates_in_experts on (0 when it is on already, or no MoE block)."""
+    if "combine's saved expert outputs" not in terms:
         return 0.0
     on = dataclasses.replace(w, moe_cfg=dataclasses.replace(w.moe_cfg, gates_in_experts=True))
-    here = first_block_terms(w, plan, state)
-    if "combine's saved expert outputs" not in here:
-        return 0.0
-    return sum(here.values()) - sum(first_block_terms(on, plan, state).values())
+    return sum(terms.values()) - sum(first_block_terms(on, plan, state).values())
 
 
 def _shared_d_ff(w) -> int:

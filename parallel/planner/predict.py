@@ -182,6 +182,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
                                     pipeline_pairing(plan, m, timed, comm_s, hw,
                                                      sum(map(w.is_moe_block, state.block_ids))))
         step_s = sum(breakdown.values())  # stage_seconds, by part
+        terms = first_block_terms(w, plan, state)
         out.stages.append(StagePrediction(
             rank, model_state(state, plan, w.optimizer), acts.total, acts.per_microbatch,
             acts.in_flight, peak_bytes(state, plan, acts, w.optimizer), comm, wire_bytes(events),
@@ -190,7 +191,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
             min(step_s, stage_seconds(timed, comm_s, out.bubble, hw, hidden)),
             a2a_by_node(events), exposed_a2a_seconds(timed, comm_s, hw, hidden),
             membound, membound_s, breakdown,
-            first_block_terms(w, plan, state), gates_in_experts_saving(w, plan, state)))
+            terms, gates_in_experts_saving(w, plan, state, terms)))
     out.step_s = max(s.step_s for s in out.stages)
     out.step_s_min = max(s.step_s_min for s in out.stages)
     tokens = w.batch_size * sum(w.stream_tokens.values())
