@@ -124,9 +124,9 @@ class MoELayer(nn.Module):
           combine, which keeps the [rows, d_model] outputs for the gates' gradient; True
           scales each row's hidden activation by its gate inside the expert, before the
           output projection, and the combine is a plain sum (moe/row_gates.py: one d_model
-          row less held per routed assignment; under expert parallelism the gates travel
-          to the experts, fp32, one small all-to-all each way). Same function, rounded at
-          another point.
+          row and, outside FP8, the activation output's d_ff row less held per routed
+          assignment; under expert parallelism the gates travel to the experts, fp32, one
+          small all-to-all each way). Same function, rounded at another point.
     `forward(x, token_mask=None)`: token_mask (bool, x.shape[:-1]) marks the tokens that
     count in the balance loss (False: padding); every token is still routed and computed.
     """
