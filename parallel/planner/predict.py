@@ -77,17 +77,19 @@ class StateCache:
 
     def __init__(self, build_model, workload=None):
         self.build_model, self.states, self.workload = build_model, {}, workload
-        self.traced = {}  # precision -> traced_bytes.StepBytes (or the error that stopped it)
+        self.traced = {}  # (precision, param_dtype) -> traced_bytes.StepBytes (or the error)
 
-    def step_bytes(self, w, precision: str):
+    def step_bytes(self, w, precision: str, param_dtype: str = "fp32"):
         """The workload's traced memory-bound bytes (traced_bytes.step_bytes), once per
-        precision; None where the trace cannot run this model (said in the report)."""
-        if precision not in self.traced:
+        precision and parameter dtype; None where the trace cannot run this model (said in
+        the report)."""
+        key = (precision, param_dtype)
+        if key not in self.traced:
             try:
-                self.traced[precision] = step_bytes(w, precision)
+                self.traced[key] = step_bytes(w, precision, param_dtype)
             except Exception as e:  # noqa: BLE001 - a model the fake trace cannot run
-                self.traced[precision] = e
-        got = self.traced[precision]
+                self.traced[key] = e
+        got = self.traced[key]
         return None if isinstance(got, Exception) else got
 
     def get(self, plan, rank):
@@ -173,7 +175,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         if plan.offload != "none":
             comm_s["host_offload"] = host_seconds(plan, state, m, hw)
         hidden = hideable_seconds(comm_s, plan, d, paired[stage])
-        sb = cache.step_bytes(w, plan.precision) if hw.hbm_tbs else None  # priced where known
+        sb = cache.step_bytes(w, plan.precision, plan.param_dtype) if hw.hbm_tbs else None  # priced where known
         membound = rank_bytes(sb, w, plan, state, micro_seqs(w, plan), m) if sb else None
         membound_s = membound / (hw.hbm_tbs * 1e12) if membound else 0.0
         timed += membound_s * hw.tflops * 1e12  # memory-bound kernels hold the compute stream

@@ -440,7 +440,7 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
     flops_s = {}
     fp8 = fp8_gemm_time(base, hw)   # < 1 under precision=fp8: every FLOP at the FP8 rate, a bound
 
-    sb = cache.step_bytes(w, base.precision) if hw.hbm_tbs else None
+    sb = cache.step_bytes(w, base.precision, base.param_dtype) if hw.hbm_tbs else None
     costs = dataclasses.replace(costs, step_bytes=sb)
     # the memory-bound bytes every token pays, over the world (each rank's share of them)
     per_token_s = 0.0 if sb is None else w.batch_size * sum(w.stream_tokens.values()) * \

@@ -41,7 +41,8 @@ from moe.aux import collect_aux_loss
 from moe.experts import ExpertBank
 from moe.profiling.census import OpCensus
 
-from ..precision import apply_precision
+from ..precision import DTYPES, apply_precision
+from .gpu_kernels import gpu_kernels
 
 ENDS = "ends"
 
@@ -186,9 +187,11 @@ def _trace(model, w) -> list:
     return traces
 
 
-def step_bytes(w, precision: str) -> StepBytes:
+def step_bytes(w, precision: str, param_dtype: str = "fp32") -> StepBytes:
     """The workload's memory-bound bytes by unit (see the module doc): a second for a small
-    model, a few for a large one; the planner keeps one per precision (predict.StateCache)."""
+    model, a few for a large one; the planner keeps one per precision and parameter dtype
+    (predict.StateCache). param_dtype=bf16: the parameters held in bf16 as the run holds
+    them (parallel/apply.py: no weight casts, a bf16 residual stream)."""
     model = w.build_model()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     kept_of = _keep_representatives(model)
@@ -198,8 +201,11 @@ def step_bytes(w, precision: str) -> StepBytes:
         for m in model.modules():
             if isinstance(m, ExpertBank):  # the grouped GEMMs a GPU runs
                 m.experts_impl = "grouped_mm"
+        for p in model.parameters() if param_dtype != "fp32" else ():
+            p.data = p.data.to(DTYPES[param_dtype])   # as ZeRO's cast_params holds them
         apply_precision(model, precision)  # bf16 autocast as the run applies it (fp8: as bf16)
-        traces = _trace(model, w)
+        with gpu_kernels():  # the norms as the GPU runs them (gpu_kernels.py)
+            traces = _trace(model, w)
         optimizer, norm = _per_param_bytes(w.optimizer)
     T = sum(w.stream_tokens.values())
     kept = {b: i for i, b in enumerate(blocks(model))}
