@@ -7,7 +7,8 @@ and prints the layout it ranks first beside the published one, with the parts of
 that make the difference (issue 61: a claim to check on a cluster, not a measurement).
 
 Each run is predicted by `python -m parallel.planner --layout` on the shipped config of its
-model, the H100 preset (H800 for DeepSeek-V3; hardware.py: one set of constants per preset,
+model, compiled (parallel.compile=true: the published runs' fused kernels, Transformer Engine's
+or DeepSeek's, are nearest moekit's compiled blocks), the H100 preset (H800 for DeepSeek-V3; hardware.py: one set of constants per preset,
 nothing fitted to these runs), the published layout, global batch and sequence length, and
 its features encoded as
 overrides (precision, dispatch, overlap, recomputation; the Megatron runs' gates applied inside
@@ -30,6 +31,18 @@ Runs (`published` in TFLOP/s per GPU, or tokens/s per GPU where marked):
   Qwen3-30B-A3B, 16 H100, FP8 (current scaling), PP2 VP24 EP8, MBS2, GBS 512: 121; and
   Qwen3-235B-A22B, 256 H100, FP8, TP2 PP8 VP4 EP32, MBS1, GBS 2048: 233 (NeMo Megatron-
       Bridge's performance summary, 25.11 container, experts force-balanced).
+  The same two layouts in the 25.09 container's summary (token-drop with forced balance: the
+      shapes of dropless): 241 and 178 -- one publisher's two releases 2.0x and 0.76x apart
+      on one layout, the spread of published figures.
+  Qwen3-30B-A3B, 16 H100, bf16, EP16, the alltoall dispatcher without TE's fused permutation
+      or CUDA graphs: a step of 41.25 s, 31.31 s with the overlap (Megatron-Bridge's overlap
+      notes, a "directional" 6-step smoke).
+  Qwen3-235B-A22B on the same 256 H100 in three more layouts (Megatron-MoE-ModelZoo's table
+      beside the cross-node one above, bf16, GBS 2048): TP2 EP8 FSDP MBS4 recomputing whole
+      layers, DeepEP, 17.6 s a step; TP2 PP32 VP3 EP8 MBS1 norms and activations, alltoall,
+      24.2 s; TP4 PP8 VP4 EP8 MBS1 no recomputation, DeepEP, 29.0 s. With the cross-node row
+      (19.7 s) they are a layout order: the Spearman correlation of predicted and published
+      throughput over the four is printed.
   DeepSeek-V3, 2048 H800, PP16 (DualPipe) EP64 ZeRO-1, FP8 GEMMs: 2.664M GPU-hours for 14.8T
       tokens (its report) = 1543 tokens/s per GPU. Encoded: dualpipev with the 1F1B overlap,
       the dispatch in fp8, once per node to at most 4 nodes, recomputing MLA's
@@ -47,11 +60,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from commands.plan import main as plan_main  # noqa: E402
 
-BF16 = ["parallel.precision=bf16"]
+BF16 = ["parallel.precision=bf16", "parallel.compile=true"]
 # Megatron's bf16 parameters with fp32 master copies in the distributed optimizer: moekit's
 # param_dtype=bf16 (fp32 masters in the ZeRO slices); refused under tp (not implemented there)
 BF16_PARAMS = ["parallel.param_dtype=bf16"]
-FP8 = ["parallel.precision=fp8"]
+FP8 = ["parallel.precision=fp8", "parallel.compile=true"]
 OVERLAP = ["parallel.a2a_overlap=1f1b"]
 # Megatron-Core applies the router probabilities inside the experts' activation (its
 # TEGroupedMLP's weighted SwiGLU; its unpermute takes no probabilities): moe.gates_in_experts
@@ -61,6 +74,7 @@ MEGATRON = ["moe.gates_in_experts=true"]
 DEEPEP = ["moe.dispatch=hierarchical"]
 BALANCED = ["moe.force_balance=true"]   # the publisher forced balanced routing
 HW = "--hw="   # a run's preset, among its overrides (default h100)
+_ZOO = 2048 * 4096 / 256   # Megatron-MoE-ModelZoo's Qwen3-235B steps: tokens per GPU a step
 # (run, config, world, layout, overrides, published, unit, what differs from the published run)
 RUNS = [
     ("Qwen3-30B-A3B, a2a overlap off", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
@@ -84,8 +98,24 @@ RUNS = [
      FP8 + MEGATRON + ["train.batch_size=512", "moe.force_balance=true"], 121.0, "TFLOP/s", ""),
     ("Qwen3-235B-A22B, NeMo 25.11 FP8", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs1 z1",
      FP8 + MEGATRON + ["train.batch_size=2048", "moe.force_balance=true"], 233.0, "TFLOP/s", ""),
+    ("Qwen3-30B-A3B, NeMo 25.09", "qwen3_30b_a3b", 16, "pp2 vp24 ep8 mbs2 z1",
+     FP8 + MEGATRON + ["train.batch_size=512", "moe.force_balance=true"], 241.0, "TFLOP/s", ""),
+    ("Qwen3-235B-A22B, NeMo 25.09", "qwen3_235b_a22b", 256, "tp2 pp8 vp4 ep32 mbs1 z1",
+     FP8 + MEGATRON + ["train.batch_size=2048", "moe.force_balance=true"], 178.0, "TFLOP/s", ""),
+    ("Qwen3-30B-A3B, alltoall, overlap off", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
+     BF16 + BF16_PARAMS + MEGATRON + ["train.batch_size=1024", "train.micro_batch_size=1"],
+     1024 * 4096 / 16 / 41.25, "tokens/s", "TE's fused permutation off in the run"),
+    ("Qwen3-30B-A3B, alltoall, overlap on", "qwen3_30b_a3b", 16, "dp16 ep16 z1",
+     BF16 + BF16_PARAMS + MEGATRON + OVERLAP + ["train.batch_size=1024", "train.micro_batch_size=1"],
+     1024 * 4096 / 16 / 31.31, "tokens/s", "TE's fused permutation off in the run"),
+    ("Qwen3-235B-A22B, EP8 FSDP", "qwen3_235b_a22b", 256, "dp128 tp2 ep8 mbs4 z3 rc",
+     BF16 + MEGATRON + DEEPEP + ["train.batch_size=2048"], _ZOO / 17.6, "tokens/s", ""),
+    ("Qwen3-235B-A22B, PP32 alltoall", "qwen3_235b_a22b", 256, "tp2 pp32 vp3 ep8 mbs1 z1 rc=moe_act",
+     BF16 + MEGATRON + ["train.batch_size=2048"], _ZOO / 24.2, "tokens/s", "moe_act only"),
+    ("Qwen3-235B-A22B, TP4 PP8 EP8", "qwen3_235b_a22b", 256, "tp4 pp8 vp4 ep8 mbs1 z1",
+     BF16 + MEGATRON + DEEPEP + ["train.batch_size=2048"], _ZOO / 29.0, "tokens/s", ""),
     ("DeepSeek-V3, its report", "deepseek_v3", 2048, "pp16 ep64 z1 mbs1 dualpipev rc=mla_up_proj+layernorm",
-     ["parallel.precision=fp8"] + OVERLAP + ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical",
+     FP8 + OVERLAP + ["moe.dispatch_dtype=fp8", "moe.dispatch=hierarchical",
                                              "moe.max_nodes=4", HW + "h800"],
      14.8e12 / (2.664e6 * 3600), "tokens/s", ""),
 ]
@@ -94,8 +124,19 @@ RUNS = [
 # Megatron-Bridge's Qwen3-30B-A3B 16 x H100 EP16 MBS1 seq 4096 bf16 recipe, "rank-0 peak
 # allocated memory: 62.166 GiB" (HybridEP; skills/nemo-mbridge-perf-moe-hardware-configs), and
 # 61.351 GB with the alltoall dispatcher (docs/training/moe-optimization.md, a 5-step smoke run)
+# one model, one cluster, several layouts: their published order against the predicted one
+ORDER = ("Qwen3-235B-A22B, overlap off", "Qwen3-235B-A22B, EP8 FSDP",
+         "Qwen3-235B-A22B, PP32 alltoall", "Qwen3-235B-A22B, TP4 PP8 EP8")
 PUBLISHED_PEAK_GB = {"Qwen3-30B-A3B, a2a overlap off": 61.351,
                      "Qwen3-30B-A3B, a2a overlap on": 62.166 * 2 ** 30 / 1e9}
+
+
+def spearman(xs: list, ys: list) -> float:
+    """Spearman's rank correlation (no ties)."""
+    def ranks(v):
+        return [sorted(v).index(x) for x in v]
+    rx, ry, n = ranks(xs), ranks(ys), len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
 def check(config: str, world: int, layout: str, overrides: list) -> dict:
@@ -155,7 +196,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message=r"MoELayer\(force_balance=True\)")  # the NeMo runs'
     print(f"{'run':36s} {'GPUs':>5s}  {'layout':44s} {'published':>10s} {'predicted':>10s}  "
           f"pred/pub  {'bound':>6s}  fits (peak GB)  differs")
-    gains, parts, rows = {}, [], []
+    gains, parts, rows, ratios, order = {}, [], [], {}, {}
     for name, config, world, layout, overrides, published, unit, differs in RUNS:
         pred = check(config, world, layout, overrides)
         if "refused" in pred:
@@ -168,14 +209,26 @@ def main() -> int:
               f"  {bound / pub:6.2f}  {'yes' if pred['fits'] else 'no':>4s} ({pred['peak_bytes'] / 1e9:6.1f})"
               f"  {differs}")
         parts.append((name, pred))
+        ratios[name] = got / pub
+        if name in ORDER:
+            order[name] = (got, pub)
         rows.append((name, config, world, layout, overrides, pred))
         if "overlap o" in name:  # the pairs measured with and without the overlap
-            gains.setdefault(name.split(",")[0], {})["overlap on" in name] = (got, pub)
+            gains.setdefault(name.rsplit("overlap", 1)[0].rstrip(", "), {})["overlap on" in name] = (got, pub)
     print("tokens/s per GPU; the overlap's gain (on / off - 1), predicted vs published:")
     for model, g in gains.items():
         if len(g) == 2:
             pred_gain, pub_gain = g[True][0] / g[False][0] - 1, g[True][1] / g[False][1] - 1
             print(f"  {model}: predicted {pred_gain:+.1%}, published {pub_gain:+.1%}")
+    errors = sorted(abs(r - 1) for r in ratios.values())
+    worst = max(ratios, key=lambda n: abs(ratios[n] - 1))
+    print(f"error |pred/pub - 1| over the {len(errors)} rows predicted: median "
+          f"{errors[len(errors) // 2]:.0%}, worst {errors[-1]:.0%} ({worst})")
+    if len(order) == len(ORDER):
+        got, pub = zip(*order.values())
+        print(f"layout order over {', '.join(n.split(', ')[1] for n in order)}: Spearman "
+              f"{spearman(list(got), list(pub)):+.2f} (published fastest first: "
+              + ", ".join(n.split(", ")[1] for n in sorted(order, key=lambda n: -order[n][1])) + ")")
     print("peak memory, predicted vs published (GB), where the publisher gives one:")
     for name, pred in parts:
         if name in PUBLISHED_PEAK_GB:

@@ -11,17 +11,24 @@ normalised input, fp32 copies) are read and written again: a CPU trace counts ab
 (forward: x in, y out; backward: dy and x in, dx out; plus the fp32 rstd [T] and the
 weight and its gradient [D]).
 
+Attention whose value heads are narrower than its query/key heads (MLA: 192 against 128)
+is the other: on CUDA `F.scaled_dot_product_attention` runs it in the memory-efficient
+kernel (one op each way, the scores never written), where the CPU has no fused kernel for
+unequal head dims and runs the math path, writing and reading the [S, S] scores and
+probabilities several times.
+
 `gpu_kernels()` is a TorchFunctionMode for the trace: each `F.rms_norm` call runs as
-`fused_rms_norm` below, an autograd function over two opaque ops that read and write
-exactly the fused kernels' tensors, so the census counts the GPU's bytes. Their maths is
-RMSNorm's (fp32 statistics, the result in x's dtype), so a trace that computes gets the
-same values as `F.rms_norm` (tests/unit/test_planner_gpu_kernels.py).
+`fused_rms_norm` below, and such an attention as `fused_attention`, autograd functions over
+opaque ops that read and write exactly the fused kernels' tensors, so the census counts the
+GPU's bytes. Their maths is the function's own (RMSNorm: fp32 statistics, the result in x's
+dtype; attention: softmax(q k^T scale) v, causal or not, through the math path), so a trace
+that computes gets the same values (tests/unit/test_planner_gpu_kernels.py).
 """
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["gpu_kernels", "fused_rms_norm"]
+__all__ = ["gpu_kernels", "fused_rms_norm", "fused_attention"]
 
 
 def _acc(dtype):
@@ -82,11 +89,86 @@ def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
     return _FusedRMSNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
 
 
+def _attend(q, k, v, causal: bool, scale: float):
+    """softmax(q k^T scale) v in fp32 (fp64 for fp64) and its log-sum-exp per query [B, H, S]."""
+    acc = _acc(q.dtype)
+    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    if causal:
+        S, L = s.shape[-2:]
+        s = s.masked_fill(torch.ones(S, L, dtype=torch.bool, device=s.device).triu(L - S + 1),
+                          float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return ((s - lse.unsqueeze(-1)).exp() @ v.to(acc)).to(q.dtype), lse
+
+
+@torch.library.custom_op("moekit_planner::fused_attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attend(q, k, v, causal, scale)
+
+
+@torch.library.custom_op("moekit_planner::fused_attention_backward", mutates_args=())
+def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qf, kf, vf, dof = (t.to(lse.dtype) for t in (q, k, v, do))
+    s = (qf @ kf.transpose(-2, -1)) * scale
+    if causal:
+        S, L = s.shape[-2:]
+        s = s.masked_fill(torch.ones(S, L, dtype=torch.bool, device=s.device).triu(L - S + 1),
+                          float("-inf"))
+    p = (s - lse.unsqueeze(-1)).exp()                          # the probabilities, again
+    ds = p * (dof @ vf.transpose(-2, -1) - (dof * o.to(lse.dtype)).sum(-1, keepdim=True))
+    return ((ds @ kf * scale).to(q.dtype), (ds.transpose(-2, -1) @ qf * scale).to(k.dtype),
+            (p.transpose(-2, -1) @ dof).to(v.dtype))
+
+
+@_attention.register_fake
+def _(q, k, v, causal, scale):
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=_acc(q.dtype))
+
+
+@_attention_backward.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = _attention(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        dq, dk, dv = _attention_backward(do.contiguous(), *ctx.saved_tensors, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """F.scaled_dot_product_attention as CUDA's memory-efficient kernel runs value heads
+    narrower than the query's (one op each way: q, k, v in, the output and the log-sum-exp
+    out; the scores never stored); anything else: F.scaled_dot_product_attention itself
+    (a single fused op on the CPU as well)."""
+    if attn_mask is not None or dropout_p or enable_gqa or q.shape[-1] == v.shape[-1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _FusedAttention.apply(q, k, v, bool(is_causal), float(scale))
+
+
 class gpu_kernels(TorchFunctionMode):
-    """Within it, F.rms_norm runs as the GPU's fused kernels (fused_rms_norm)."""
+    """Within it, F.rms_norm and narrow-value attention run as the GPU's fused kernels."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.rms_norm:   # the mode is off while this runs: no loop
+        # the mode is off while this runs: the fallbacks' own calls do not come back here
+        if func is F.rms_norm:
             return fused_rms_norm(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return fused_attention(*args, **kwargs)
         return func(*args, **kwargs)

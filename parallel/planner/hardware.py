@@ -78,6 +78,16 @@ GEMM_EFFICIENCY = 0.70
 SCALE_UP_EFFICIENCY = 370.0 / 450.0     # NVLink 4: busbw / line rate (nccl-tests#212)
 SCALE_OUT_EFFICIENCY = 47.0 / 50.0      # NDR 400 Gb/s: 46-48 GB/s per NIC (nccl-tests#290)
 HOST_EFFICIENCY = 0.80                  # PCIe x16 copies (offload)
+# The memory-bound work's bytes (traced_bytes.py: the eager ops' tensors, RMSNorm as its
+# fused kernel) move at this share of the data-sheet HBM bandwidth. Measured with moekit's
+# own training step on an H200 (torch 2.11, bench/gpu_step.py, docs/gpu-speed.md): the
+# measured step less its GEMMs at GEMM_EFFICIENCY, over the traced bytes -- eager 0.426 for
+# the Qwen3-30B-A3B-shaped MoE and 0.426 for its dense twin (small element-wise kernels, one
+# launch each, far from the bandwidth a large copy reaches); compiled (parallel.compile=true,
+# inductor fusing neighbours: fewer bytes, counted here as the eager bytes at a higher rate)
+# 0.718 and 0.749. tests/unit/test_planner_membound.py re-derives them from the planner.
+EAGER_HBM_EFFICIENCY = 0.43
+COMPILED_HBM_EFFICIENCY = 0.73
 # bf16 matmuls measured by bench/gemm_efficiency.py on an H200 (torch 2.11, cuBLAS):
 # (m, k, n, share of the 989 TFLOP/s peak)
 GEMM_MEASURED = ((8192, 8192, 8192, 0.770), (8192, 4096, 14336, 0.755),
@@ -125,6 +135,11 @@ CAPABILITIES = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0), "h800": (9, 0), 
 # FP8 GEMMs with fine-grained scaling reach 1350+ TFLOP/s on Hopper (DeepSeek's DeepGEMM at
 # its release, H800 = H100's 1979 FP8 peak): 0.68 of the peak, the share every preset uses
 FP8_GEMM_EFFICIENCY = 1350.0 / 1979.0
+
+
+def membound_bandwidth(hw: "Hardware", compiled: bool) -> float:
+    """Bytes per second the memory-bound work moves at (eager or compiled, see above)."""
+    return hw.hbm_tbs * 1e12 * (COMPILED_HBM_EFFICIENCY if compiled else EAGER_HBM_EFFICIENCY)
 
 
 def _log_flops(m, k, n) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..pipeline.schedules import V_SCHEDULES
 from .comm import step_comm
 from .flops import model_flops, mtp_flops_per_token, rank_flops
+from .hardware import membound_bandwidth
 from .memory import (MTP_EXTRA, activations, block_act_elems, first_block_terms,
                      gates_in_experts_saving, micro_seqs,
                      model_state, peak_bytes)
@@ -177,7 +178,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         hidden = hideable_seconds(comm_s, plan, d, paired[stage])
         sb = cache.step_bytes(w, plan.precision, plan.param_dtype) if hw.hbm_tbs else None  # priced where known
         membound = rank_bytes(sb, w, plan, state, micro_seqs(w, plan), m) if sb else None
-        membound_s = membound / (hw.hbm_tbs * 1e12) if membound else 0.0
+        membound_s = membound / membound_bandwidth(hw, plan.compile is True) if membound else 0.0
         timed += membound_s * hw.tflops * 1e12  # memory-bound kernels hold the compute stream
         breakdown = stage_breakdown(timed, membound_s, comm_s, out.bubble, hw,
                                     predicted_hidden(hidden, plan),

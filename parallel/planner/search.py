@@ -51,6 +51,7 @@ import itertools
 from ..pipeline.schedules import MULTI_STAGE_SCHEDULES, bubble_fraction
 from .enumerate import pipelines, rejection, structures, variants, with_default_layers
 from .flops import model_flops
+from .hardware import membound_bandwidth
 from .predict import predict
 from .report import BUILD_ERRORS, rank_key
 from .step_time import expert_gemm_slowdown, fp8_gemm_time
@@ -359,7 +360,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
         compute = rank_flops(costs, w, plan, st, slowdown, fp8) / (hw.tflops * 1e12)
         if costs.step_bytes is not None:  # its memory-bound work per token (traced_bytes.py)
             compute += token_bytes(costs.step_bytes, w, plan, st.block_ids, st.last_stage) / \
-                (hw.hbm_tbs * 1e12)
+                membound_bandwidth(hw, plan.compile is True)
         stretched, rest = inside_seconds(w, plan, st, hw)
         xs.append((compute + stretched) / (1 - bubble) + rest)
         worst = max(worst, xs[-1] + sync(own, 1))
@@ -444,7 +445,7 @@ def search(w, base, world: int, hw, costs, cache, top: int = 10, zeros=(0, 1, 2,
     costs = dataclasses.replace(costs, step_bytes=sb)
     # the memory-bound bytes every token pays, over the world (each rank's share of them)
     per_token_s = 0.0 if sb is None else w.batch_size * sum(w.stream_tokens.values()) * \
-        sum(u.per_token for u in sb.units.values()) / (hw.hbm_tbs * 1e12)
+        sum(u.per_token for u in sb.units.values()) / membound_bandwidth(hw, True)  # a bound
 
     def compute(s):
         imb = w.imbalance if s["ep"] > 1 else 1.0

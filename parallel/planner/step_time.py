@@ -67,6 +67,16 @@ _WIRE = {"reduce": lambda P: 2 * (P - 1) / P, "gather": lambda P: P - 1,
          "across": lambda P: 1.0}   # an all-to-all's bytes to other nodes (expert_nodes.py)
 # the expert all-to-all's parts (expert_nodes.py): inside this rank's node, to other nodes
 _LINKS = {"ep@intra": "intra", "ep@inter": "inter"}
+# What a 1F1B pair's overlap takes off the step, as a share of the expert all-to-all it
+# could hide: measured on Megatron-Core's implementation of the same schedule (a forward and
+# a backward micro-batch interleaved layer by layer, each one's exchanges beside the other's
+# compute): Megatron-Bridge's Qwen3-30B-A3B card, 16 H100, EP16, HybridEP, an Nsight profile
+# of 8.25 s of communication a step with the overlap off (9.079 ms = 0.11% of it concurrent
+# with compute), step 24.71 s -> 20.99 s with it on: 3.72 s / 8.25 s = 0.45. The exchanges
+# run 31% longer beside compute (10.83 s) and only 36.55% of them find compute to run beside.
+# moekit's own pairs (parallel/interleave.py) are not measured on a GPU yet: this is the
+# evidence there is; the lower bound (step_s_min) still hides them whole.
+PAIR_HIDDEN_SHARE = 0.45
 
 
 def _link(groups: dict, rank: int, dim: str, hw: Hardware, node_size: int) -> tuple:
@@ -161,15 +171,18 @@ TERM_EVIDENCE = {
     "gemm": "FLOPs at the preset's peak x 0.70 (bench/gemm_efficiency.py, H200: 8192^3 bf16 "
             "at 77%), expert GEMMs by their per-expert shape (hardware.gemm_efficiency)",
     "memory_bound": "non-GEMM bytes traced from the model's own ops (traced_bytes.py, equal to "
-                    "the op census) at the data-sheet HBM bandwidth; the bandwidth eager kernels "
-                    "reach is a guess (H200: eager MoE step 1.31x predicted, compiled 0.97x)",
+                    "the op census; RMSNorm and MLA's attention as CUDA's fused kernels) at "
+                    "0.43 (eager) / 0.73 (compiled) of the data-sheet HBM bandwidth, measured "
+                    "with moekit's step on an H200 (hardware.py; 1 GPU, not a cluster)",
     "overlap_excess": "the overlapped traffic's seconds beyond the compute they hide behind",
     "tensor_parallel": "NCCL's ring cost model (tuning.cc) at nccl-tests' bus bandwidths "
                        "(nccl-tests#212, #290), calls and bytes from the ledger; never overlapped",
     "context_parallel": "as tensor_parallel (ring attention's K/V sends); never overlapped",
     "expert_all_to_all": "one pairwise step at the bus bandwidth (NVLink; one NIC per GPU across "
                          "nodes, nccl-tests#267) with NCCL's latency model; a guess for the "
-                         "all-to-all's efficiency by message size (no measured curve)",
+                         "all-to-all's efficiency by message size (no measured curve); "
+                         "parallel.a2a_overlap=1f1b takes 0.45 of it off (Megatron-Core's pairs "
+                         "measured, Megatron-Bridge's Qwen3-30B-A3B profile; moekit's not yet)",
     "expert_tensor_parallel": "as tensor_parallel",
     "pipeline": "send/recv at the link's bus bandwidth; not overlapped with compute (a guess: "
                 "Megatron overlaps its p2p)",
@@ -195,7 +208,9 @@ def pipeline_pairing(plan, microbatches: int, flops: float, comm_s: dict, hw: Ha
     stage's costs: per micro-batch-chunk a forward of 1/3 and a backward of 2/3 of its
     compute and other in-step traffic, half of its expert all-to-all each, in moe_layers
     exchanges. Below 1 the pairs gain; above 1 they cost (a pair's forward ends after the
-    backward's interleaved pieces, which its neighbour waits for). 1.0 without the pairs."""
+    backward's interleaved pieces, which its neighbour waits for). 1.0 without the pairs.
+    The pairs hide PAIR_HIDDEN_SHARE of the all-to-all at most: the rest runs exposed in
+    both schedules, as compute would."""
     if plan.a2a_overlap != "1f1b" or plan.pp == 1 or microbatches < 2:
         return 1.0
     from ..pipeline.simulate import StepCost, simulate
@@ -205,11 +220,13 @@ def pipeline_pairing(plan, microbatches: int, flops: float, comm_s: dict, hw: Ha
                                             if k in INSIDE_STEP and k != "expert_all_to_all")
     if not a2a or not work:
         return 1.0
-    cost = StepCost(f=work / 3 / chunks, b=2 * work / 3 / chunks, a_f=a2a / 2 / chunks,
-                    a_b=a2a / 2 / chunks, layers=max(1, round(moe_layers / plan.stages_per_rank)))
+    exposed, hideable = a2a * (1 - PAIR_HIDDEN_SHARE), a2a * PAIR_HIDDEN_SHARE
+    work += exposed
+    cost = StepCost(f=work / 3 / chunks, b=2 * work / 3 / chunks, a_f=hideable / 2 / chunks,
+                    a_b=hideable / 2 / chunks, layers=max(1, round(moe_layers / plan.stages_per_rank)))
     args = (plan.pp_schedule, plan.pp, microbatches, plan.stages_per_rank)
     ratio = simulate(*args, dataclasses.replace(cost, paired=True)) / simulate(*args, cost)
-    return max(ratio, work / (work + a2a))  # at best as if there were no all-to-all at all
+    return max(ratio, work / (work + hideable))  # at best as if the hideable part were gone
 
 
 def paired_shares(plan, microbatches: int) -> list:
@@ -237,12 +254,14 @@ def a2a_overlapped(w, plan) -> bool:
 
 def predicted_hidden(hidden: dict, plan) -> dict:
     """What the prediction (step_s) hides of the lower bound's hideable seconds: the expert
-    all-to-all's share that moekit's own overlap runs beside compute (moe.a2a_overlap_degree,
-    parallel.a2a_overlap without a pipeline; a pipeline's pairs are priced by simulation
-    instead: pipeline_pairing); FSDP2's gathers and offload's copies stay in the bound only."""
+    all-to-all's share that moekit's own overlap runs beside compute (moe.a2a_overlap_degree;
+    parallel.a2a_overlap=1f1b without a pipeline, PAIR_HIDDEN_SHARE of it; a pipeline's pairs
+    are priced by simulation instead: pipeline_pairing); FSDP2's gathers and offload's copies
+    stay in the bound only."""
     if plan.pp > 1 and plan.a2a_overlap == "1f1b":
         return {}
-    return {k: v for k, v in hidden.items() if k == "expert_all_to_all"}
+    share = PAIR_HIDDEN_SHARE if plan.a2a_overlap == "1f1b" else 1.0
+    return {k: v * share for k, v in hidden.items() if k == "expert_all_to_all"}
 
 
 def hideable_seconds(comm_s: dict, plan, overlap_degree: int, paired: float = 0.0) -> dict:

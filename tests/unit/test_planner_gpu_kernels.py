@@ -1,7 +1,8 @@
-"""The planner's trace counts RMSNorm as the GPU runs it (parallel/planner/gpu_kernels.py):
-torch's fused kernel each way, not the CPU's decomposition. The stand-in computes RMSNorm's
-values and gradients (against F.rms_norm: fp64 1e-12, bf16 within one rounding), its census
-is two ops moving exactly the fused kernels' tensors, and the planner's trace under bf16
+"""The planner's trace counts RMSNorm and narrow-value attention (MLA) as the GPU runs them
+(parallel/planner/gpu_kernels.py): one fused kernel each way, not the CPU's decomposition.
+The stand-ins compute the functions' values and gradients (against F.rms_norm and
+F.scaled_dot_product_attention: fp64 1e-12, bf16 within one rounding), their census is two
+ops moving exactly the fused kernels' tensors, and the planner's trace under bf16
 parameters (parallel.param_dtype=bf16) counts no weight casts and a bf16 residual stream."""
 import pytest
 import torch
@@ -29,6 +30,34 @@ def test_the_stand_in_is_rms_norm(shape, dtype, tol):
     d1 = torch.autograd.grad(y1, (x, w), g)
     for a, b in zip((y0, *d0), (y1, *d1)):
         assert torch.allclose(a.double(), b.double(), rtol=tol, atol=tol * a.abs().max().item())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_attention_stand_in_is_sdpa(causal):
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 7, 12, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 7, 8, dtype=torch.float64, requires_grad=True)
+    o0 = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    g = torch.randn_like(o0)
+    with gpu_kernels(), OpCensus() as c:
+        o1 = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        d1 = torch.autograd.grad(o1, (q, k, v), g)
+    assert dict(c.by_op) == {"fused_attention": 1, "fused_attention_backward": 1}
+    for a, b in zip((o0, *torch.autograd.grad(o0, (q, k, v), g)), (o1, *d1)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_attention_census_never_holds_the_scores():
+    B, H, S, dqk, dv = 1, 4, 1024, 192, 128
+    with FakeTensorMode():
+        q, k = (torch.empty(B, H, S, dqk, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.empty(B, H, S, dv, dtype=torch.bfloat16, requires_grad=True)
+        do = torch.empty(B, H, S, dv, dtype=torch.bfloat16)
+        with gpu_kernels(), OpCensus() as fused:
+            torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
+    qk, vv, lse = B * H * S * dqk * 2, B * H * S * dv * 2, B * H * S * 4
+    # forward q, k, v in, o, lse out; backward do, q, k, v, o, lse in, dq, dk, dv out
+    assert fused.bytes == (2 * qk + vv + vv + lse) + (vv + 2 * qk + vv + vv + lse + 2 * qk + vv)
 
 
 def test_what_it_cannot_fuse_stays_rms_norm():
