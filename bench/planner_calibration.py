@@ -61,8 +61,9 @@ sys.path.insert(0, str(ROOT))
 from commands.plan import main as plan_main  # noqa: E402
 
 BF16 = ["parallel.precision=bf16", "parallel.compile=true"]
-# Megatron's bf16 parameters with fp32 master copies in the distributed optimizer: moekit's
-# param_dtype=bf16 (fp32 masters in the ZeRO slices); refused under tp (not implemented there)
+# Megatron's bf16 parameters with fp32 master copies in the distributed optimizer (or its
+# FSDP): moekit's param_dtype=bf16 (fp32 masters in the ZeRO-1/2 slices, FSDP2's fp32 shards
+# under ZeRO-3); refused under tp with ZeRO-1/2 (not implemented there)
 BF16_PARAMS = ["parallel.param_dtype=bf16"]
 FP8 = ["parallel.precision=fp8", "parallel.compile=true"]
 OVERLAP = ["parallel.a2a_overlap=1f1b"]
@@ -109,7 +110,8 @@ RUNS = [
      BF16 + BF16_PARAMS + MEGATRON + OVERLAP + ["train.batch_size=1024", "train.micro_batch_size=1"],
      1024 * 4096 / 16 / 31.31, "tokens/s", "TE's fused permutation off in the run"),
     ("Qwen3-235B-A22B, EP8 FSDP", "qwen3_235b_a22b", 256, "dp128 tp2 ep8 mbs4 z3 rc",
-     BF16 + MEGATRON + DEEPEP + ["train.batch_size=2048"], _ZOO / 17.6, "tokens/s", ""),
+     BF16 + BF16_PARAMS + MEGATRON + DEEPEP + ["train.batch_size=2048"], _ZOO / 17.6, "tokens/s",
+     ""),
     ("Qwen3-235B-A22B, PP32 alltoall", "qwen3_235b_a22b", 256, "tp2 pp32 vp3 ep8 mbs1 z1 rc=moe_act",
      BF16 + MEGATRON + ["train.batch_size=2048"], _ZOO / 24.2, "tokens/s", "moe_act only"),
     ("Qwen3-235B-A22B, TP4 PP8 EP8", "qwen3_235b_a22b", 256, "tp4 pp8 vp4 ep8 mbs1 z1",

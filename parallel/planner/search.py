@@ -84,10 +84,25 @@ def structure_bound(w, base, s: dict, hw, sizes, compute_s: float, zero_variants
     """The bound of the module docstring for structure s: compute_s = C, zero_variants: its
     ZeRO variants (enumerate.variants), sizes: state_bytes of the whole model."""
     least = min(_bubble(s["pp"], sch, m) for sch, m in pipelines(s["pp"]))
-    factors = _least_factors(zero_variants, 1)
     stretched, rest = structure_seconds(w, base, s, hw)
-    return (compute_s + stretched) / (1 - least) + rest + \
-        sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), factors))
+    x = (compute_s + stretched) / (1 - least) + rest
+    out = []
+    for group in _by_hiding(zero_variants):
+        sync = sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), _least_factors(group, 1)))
+        out.append(max(x, sync) if _hidden(group) else x + sync)
+    return min(out)
+
+
+def _hidden(zero_variants) -> bool:
+    """ZeRO-3 variants: their collectives run beside the compute (step_time.FSDP_STREAMS),
+    so a bound takes the longer of the two, not their sum."""
+    return zero_variants[0]["zero"] == 3
+
+
+def _by_hiding(zero_variants) -> list:
+    """The variants split into those whose sync hides (ZeRO-3) and the rest, non-empty."""
+    groups = ([v for v in zero_variants if v["zero"] == 3], [v for v in zero_variants if v["zero"] != 3])
+    return [g for g in groups if g]
 
 
 def _inside_node(size: int, stride: int, hw) -> bool:
@@ -337,19 +352,26 @@ def _least_factors(zero_variants, m: int) -> tuple:
     return tuple(min(f[k] for f in factors) for k in (0, 1))
 
 
-def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) -> float:
+def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None,
+                  hidden: bool = None) -> float:
     """A lower bound of one layout's step_s: every stage's compute (flops.rank_flops, exact
     from its blocks) and the traffic step_time surely runs inside the step, stretched by
     the bubble, plus its other traffic (inside_seconds: comm.py's expert all-to-all, expert-
     tensor, pipeline, tensor- and context-parallel terms) and its gradient synchronisation
     at the layout's ZeRO setting (the group: its cheapest) from the bytes surely on it
-    (_stage_sizes); and the mean stage's with the whole model's gradient bytes over pp."""
+    (_stage_sizes); and the mean stage's with the whole model's gradient bytes over pp.
+    hidden (default: ZeRO-3): the synchronisation runs beside the compute, the longer counts."""
     from .comm import micro_count
     from .flops import rank_flops
     bubble = bubble_fraction(plan.pp_schedule, plan.pp, plan.microbatches, plan.stages_per_rank)
     s = dict(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp)
     if sync_factor is None:
         sync_factor = _sync_factor(plan, micro_count(w, plan))
+    if hidden is None:
+        hidden = plan.zero == 3
+
+    def total(x, y):
+        return max(x, y) if hidden else x + y
 
     def sync(held, stages_over):
         return sum(t * f for t, f in zip(sync_seconds(s, held, hw, stages_over), sync_factor))
@@ -363,8 +385,8 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None) 
                 membound_bandwidth(hw, plan.compile is True)
         stretched, rest = inside_seconds(w, plan, st, hw)
         xs.append((compute + stretched) / (1 - bubble) + rest)
-        worst = max(worst, xs[-1] + sync(own, 1))
-    return max(worst, sum(xs) / len(xs) + sync(sizes, plan.pp))
+        worst = max(worst, total(xs[-1], sync(own, 1)))
+    return max(worst, total(sum(xs) / len(xs), sync(sizes, plan.pp)))
 
 
 def _with_layers(w, plan, memo: dict):
@@ -419,13 +441,14 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
                 continue
         stages = _stage_blocks(w, plan)
         mc = micro_count(w, plan)
-        least = _least_factors(zero_variants, mc)
         rc = "full" if "full" in recomputes else "none"
         if min(memory_bound(w, dataclasses.replace(plan, **v, recompute=rc), sizes)
                for v in leans) > hw.gpu_mem_bytes:
             out.append(None)
             continue
-        out.append((variant_bound(w, plan, costs, hw, sizes, stages, least) * SLACK, (s, sch, m, stages)))
+        bound = min(variant_bound(w, plan, costs, hw, sizes, stages, _least_factors(g, mc), _hidden(g))
+                    for g in _by_hiding(zero_variants))
+        out.append((bound * SLACK, (s, sch, m, stages)))
     return out
 
 

@@ -28,9 +28,11 @@ once per step after it. Nothing hidden, that is the upper bound.
 
 The prediction (step_s, used to rank layouts) takes off what moekit's own all-to-all overlap
 hides (moe.a2a_overlap_degree > 1, parallel.a2a_overlap=1f1b without a pipeline: the share
-below, run beside compute as far as the compute lasts); inside a pipeline the pairs' effect
-is the ratio of two simulated schedules, with and without them (pipeline_pairing: it may
-be a cost); without an overlap it is the upper bound. tokens_per_s,
+below, PAIR_HIDDEN_SHARE of it for the pairs, run beside compute as far as the compute
+lasts); inside a pipeline the pairs' effect is the ratio of two simulated schedules, with
+and without them (pipeline_pairing: it may be a cost); ZeRO-3's gathers and reduce-scatters
+run on FSDP2's own streams beside the compute (FSDP_STREAMS); without either it is the upper
+bound. tokens_per_s,
 tflops_per_gpu and mfu are at step_s, so the overlap's predicted gain is theirs too.
 
 Lower bound (step_s_min): what runs beside compute in this toolkit may hide behind it --
@@ -77,6 +79,15 @@ _LINKS = {"ep@intra": "intra", "ep@inter": "inter"}
 # moekit's own pairs (parallel/interleave.py) are not measured on a GPU yet: this is the
 # evidence there is; the lower bound (step_s_min) still hides them whole.
 PAIR_HIDDEN_SHARE = 0.45
+# ZeRO-3's collectives, which FSDP2 runs on streams of its own: each unit's all-gather issued
+# ahead of its compute (the next block's, or parallel.zero_prefetch's n blocks'; backward
+# prefetches the previous one), the gradients' reduce-scatter after it, both beside the
+# compute. Evidence: Megatron-MoE-ModelZoo's Qwen3-235B-A22B TP2 EP8 FSDP row on 256 H100,
+# 17.6 s a step, predicted 17.5 s with them hidden and 30.5 s with them exposed
+# (bench/planner_calibration.py). moekit's own FSDP2 beside expert parallelism, whose split
+# sizes the host reads each layer (so it issues the next gather only once it has them), is
+# not measured on a GPU yet.
+FSDP_STREAMS = ("zero_param_gather", "zero_grad_reduce_scatter")
 
 
 def _link(groups: dict, rank: int, dim: str, hw: Hardware, node_size: int) -> tuple:
@@ -190,8 +201,10 @@ TERM_EVIDENCE = {
               "equal cost; a guess where the first and last stages differ",
     "pp_pairing": "the 1f1b pairs simulated at this stage's costs (parallel/pipeline/simulate.py)",
     "dp_grad_reduce": "ring all-reduce after the last backward (moekit does not overlap it)",
-    "zero_param_gather": "ring all-gather; hidden behind compute only in the lower bound",
-    "zero_grad_reduce_scatter": "ring reduce-scatter; hidden only in the lower bound",
+    "zero_param_gather": "ring all-gather on FSDP2's stream, hidden behind compute as far as it "
+                         "lasts (a published FSDP run measured at it; moekit's FSDP2 beside ep "
+                         "not measured on a GPU: step_time.FSDP_STREAMS)",
+    "zero_grad_reduce_scatter": "ring reduce-scatter on FSDP2's stream, as zero_param_gather",
     "host_offload": "PCIe x16 per direction x 0.80 (a guess)",
     "tied_embedding": "ring all-reduce of the tied embedding's gradient between its stages",
     "muon_orthogonalise": "Muon's gathers and scatters of matrix pieces, NCCL's cost model",
@@ -256,12 +269,13 @@ def predicted_hidden(hidden: dict, plan) -> dict:
     """What the prediction (step_s) hides of the lower bound's hideable seconds: the expert
     all-to-all's share that moekit's own overlap runs beside compute (moe.a2a_overlap_degree;
     parallel.a2a_overlap=1f1b without a pipeline, PAIR_HIDDEN_SHARE of it; a pipeline's pairs
-    are priced by simulation instead: pipeline_pairing); FSDP2's gathers and offload's copies
-    stay in the bound only."""
-    if plan.pp > 1 and plan.a2a_overlap == "1f1b":
-        return {}
-    share = PAIR_HIDDEN_SHARE if plan.a2a_overlap == "1f1b" else 1.0
-    return {k: v * share for k, v in hidden.items() if k == "expert_all_to_all"}
+    are priced by simulation instead: pipeline_pairing) and ZeRO-3's gathers and
+    reduce-scatters (FSDP_STREAMS); offload's copies stay in the bound only."""
+    out = {k: v for k, v in hidden.items() if k in FSDP_STREAMS}
+    if "expert_all_to_all" in hidden and not (plan.pp > 1 and plan.a2a_overlap == "1f1b"):
+        share = PAIR_HIDDEN_SHARE if plan.a2a_overlap == "1f1b" else 1.0
+        out["expert_all_to_all"] = hidden["expert_all_to_all"] * share
+    return out
 
 
 def hideable_seconds(comm_s: dict, plan, overlap_degree: int, paired: float = 0.0) -> dict:
