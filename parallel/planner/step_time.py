@@ -201,10 +201,12 @@ TERM_EVIDENCE = {
               "equal cost; a guess where the first and last stages differ",
     "pp_pairing": "the 1f1b pairs simulated at this stage's costs (parallel/pipeline/simulate.py)",
     "dp_grad_reduce": "ring all-reduce after the last backward (moekit does not overlap it)",
-    "zero_param_gather": "ring all-gather on FSDP2's stream, hidden behind compute as far as it "
+    "zero_param_gather": "ring all-gather: ZeRO-1/2's of the updated slices, after the step, "
+                         "exposed; ZeRO-3's on FSDP2's stream, hidden behind compute as far as it "
                          "lasts (a published FSDP run measured at it; moekit's FSDP2 beside ep "
                          "not measured on a GPU: step_time.FSDP_STREAMS)",
-    "zero_grad_reduce_scatter": "ring reduce-scatter on FSDP2's stream, as zero_param_gather",
+    "zero_grad_reduce_scatter": "ring reduce-scatter: ZeRO-2's after backward, exposed; ZeRO-3's "
+                                "on FSDP2's stream, as zero_param_gather",
     "host_offload": "PCIe x16 per direction x 0.80 (a guess)",
     "tied_embedding": "ring all-reduce of the tied embedding's gradient between its stages",
     "muon_orthogonalise": "Muon's gathers and scatters of matrix pieces, NCCL's cost model",
