@@ -89,14 +89,21 @@ def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
     return _FusedRMSNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
 
 
-def _attend(q, k, v, causal: bool, scale: float):
-    """softmax(q k^T scale) v in fp32 (fp64 for fp64) and its log-sum-exp per query [B, H, S]."""
+def _scores(q, k, causal: bool, scale: float):
+    """q k^T scale in fp32 (fp64 for fp64), the future masked to -inf when causal."""
     acc = _acc(q.dtype)
     s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
     if causal:
         S, L = s.shape[-2:]
         s = s.masked_fill(torch.ones(S, L, dtype=torch.bool, device=s.device).triu(L - S + 1),
                           float("-inf"))
+    return s
+
+
+def _attend(q, k, v, causal: bool, scale: float):
+    """softmax(q k^T scale) v and its log-sum-exp per query [B, H, S] (fp32, fp64 for fp64)."""
+    acc = _acc(q.dtype)
+    s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     return ((s - lse.unsqueeze(-1)).exp() @ v.to(acc)).to(q.dtype), lse
 
@@ -112,12 +119,7 @@ def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         o: torch.Tensor, lse: torch.Tensor, causal: bool,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qf, kf, vf, dof = (t.to(lse.dtype) for t in (q, k, v, do))
-    s = (qf @ kf.transpose(-2, -1)) * scale
-    if causal:
-        S, L = s.shape[-2:]
-        s = s.masked_fill(torch.ones(S, L, dtype=torch.bool, device=s.device).triu(L - S + 1),
-                          float("-inf"))
-    p = (s - lse.unsqueeze(-1)).exp()                          # the probabilities, again
+    p = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()   # the probabilities, again
     ds = p * (dof @ vf.transpose(-2, -1) - (dof * o.to(lse.dtype)).sum(-1, keepdim=True))
     return ((ds @ kf * scale).to(q.dtype), (ds.transpose(-2, -1) @ qf * scale).to(k.dtype),
             (p.transpose(-2, -1) @ dof).to(v.dtype))
