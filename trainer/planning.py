@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from models.blocks import blocks
+from parallel.compile import auto_compile
 from parallel.planner.workload import Workload
 
 from .config import validate
@@ -35,7 +36,9 @@ def workload_from_config(cfg, imbalance: float = 1.0, nodes_per_token: float = 0
         shared = {id(b): b for i, b in enumerate(blocks(template)) if i not in keep}
         return copy.deepcopy(template, shared)
 
-    def check(plan, world):  # train.py's whole validation, with this layout
+    def check(plan, world):  # train.py's whole validation, with this layout; compile=auto as
+        if plan.compile == "auto":  # a CUDA run decides it (the planner plans GPU runs), not this host
+            plan = dataclasses.replace(plan, compile=auto_compile(plan, "cuda", bool(cfg.hf.family))[0])
         return validate(dataclasses.replace(cfg, parallel=plan), world)
 
     return Workload(build, cfg.model, cfg.moe, cfg.train.batch_size, stream_tokens(cfg),

@@ -29,3 +29,18 @@ def test_the_planner_reproduces_the_h200_steps(model, compiled, capsys):
     assert plan_main(["--world", "1", "--hw", "h200", "--layout", "dp1", "--json", *overrides]) == 0
     predicted = json.loads(capsys.readouterr().out)["layout"]["tokens_per_s"]
     assert predicted == pytest.approx(MEASURED[model, compiled], rel=0.05), (model, compiled)
+
+
+def test_compile_auto_is_decided_as_a_cuda_run_would(capsys):
+    """parallel.compile=auto: the planner plans GPU runs, so auto is what parallel/compile.py
+    auto_compile decides on CUDA for the layout, not what this CPU host would (eager): the
+    one-process run compiles (the compiled share), a pipeline stays eager (auto leaves pp
+    untested), and each equals its explicit setting."""
+    def tokens(layout, compile_):
+        args = ["--world", "2", "--hw", "h200", "--layout", layout, "--json",
+                *[o for o in MOE if not o.startswith("train.micro_batch_size")],
+                "model.n_layers=2", "train.batch_size=4", f"parallel.compile={compile_}"]
+        assert plan_main(args) == 0
+        return json.loads(capsys.readouterr().out)["layout"]["tokens_per_s"]
+    assert tokens("dp2", "auto") == tokens("dp2", "true") > tokens("dp2", "false")
+    assert tokens("pp2", "auto") == tokens("pp2", "false") < tokens("pp2", "true")
