@@ -193,7 +193,8 @@ def step_bytes(w, precision: str, param_dtype: str = "fp32") -> StepBytes:
     (predict.StateCache). param_dtype=bf16: the parameters held in bf16 as the run holds
     them (parallel/apply.py: no weight casts, a bf16 residual stream)."""
     model = w.build_model()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = DTYPES[param_dtype].itemsize if param_dtype != "fp32" else None  # bytes per element
+    params = sum(p.numel() * (held or p.element_size()) for p in model.parameters())
     kept_of = _keep_representatives(model)
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fake tensors have no data pointer to warn about

@@ -98,3 +98,12 @@ def test_bf16_parameters_trace_without_casts():
     assert bf16.units[block].per_micro < fp32.units[block].per_micro / 5
     # the residual stream and the norms' inputs in bf16: fewer bytes per token
     assert bf16.units[block].per_token < 0.9 * fp32.units[block].per_token
+
+
+def test_bf16_parameters_count_the_bytes_the_state_holds():
+    """rank_bytes scales the per-micro-batch part by the rank's parameter bytes over the
+    trace's: both in the held dtype (bf16: 2 bytes each), so one process's share is 1."""
+    cfg = load_config(None, ["model.n_layers=2", "parallel.precision=bf16"])
+    w = workload_from_config(cfg)
+    fp32, bf16 = step_bytes(w, "bf16", "fp32"), step_bytes(w, "bf16", "bf16")
+    assert bf16.param_bytes * 2 == fp32.param_bytes
