@@ -119,7 +119,7 @@ def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         o: torch.Tensor, lse: torch.Tensor, causal: bool,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qf, kf, vf, dof = (t.to(lse.dtype) for t in (q, k, v, do))
-    p = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()   # the probabilities, again
+    p = (_scores(qf, kf, causal, scale) - lse.unsqueeze(-1)).exp()   # the probabilities, again
     ds = p * (dof @ vf.transpose(-2, -1) - (dof * o.to(lse.dtype)).sum(-1, keepdim=True))
     return ((ds @ kf * scale).to(q.dtype), (ds.transpose(-2, -1) @ qf * scale).to(k.dtype),
             (p.transpose(-2, -1) @ dof).to(v.dtype))

@@ -87,22 +87,19 @@ def structure_bound(w, base, s: dict, hw, sizes, compute_s: float, zero_variants
     stretched, rest = structure_seconds(w, base, s, hw)
     x = (compute_s + stretched) / (1 - least) + rest
     out = []
-    for group in _by_hiding(zero_variants):
+    for group, hidden in _by_hiding(zero_variants):
         sync = sum(t * f for t, f in zip(sync_seconds(s, sizes, hw), _least_factors(group, 1)))
-        out.append(max(x, sync) if _hidden(group) else x + sync)
+        out.append(max(x, sync) if hidden else x + sync)
     return min(out)
 
 
-def _hidden(zero_variants) -> bool:
-    """ZeRO-3 variants: their collectives run beside the compute (step_time.FSDP_STREAMS),
-    so a bound takes the longer of the two, not their sum."""
-    return zero_variants[0]["zero"] == 3
-
-
 def _by_hiding(zero_variants) -> list:
-    """The variants split into those whose sync hides (ZeRO-3) and the rest, non-empty."""
-    groups = ([v for v in zero_variants if v["zero"] == 3], [v for v in zero_variants if v["zero"] != 3])
-    return [g for g in groups if g]
+    """[(variants, hidden)]: the ZeRO-3 variants, whose collectives run beside the compute
+    (step_time.FSDP_STREAMS: a bound takes the longer of the two, not their sum), and the
+    rest; only the non-empty groups."""
+    z3 = [v for v in zero_variants if v["zero"] == 3]
+    rest = [v for v in zero_variants if v["zero"] != 3]
+    return [(g, hidden) for g, hidden in ((z3, True), (rest, False)) if g]
 
 
 def _inside_node(size: int, stride: int, hw) -> bool:
@@ -446,8 +443,8 @@ def _groups(w, base, s, world, hw, costs, sizes, memo, zeros, recomputes, offloa
                for v in leans) > hw.gpu_mem_bytes:
             out.append(None)
             continue
-        bound = min(variant_bound(w, plan, costs, hw, sizes, stages, _least_factors(g, mc), _hidden(g))
-                    for g in _by_hiding(zero_variants))
+        bound = min(variant_bound(w, plan, costs, hw, sizes, stages, _least_factors(g, mc), hidden)
+                    for g, hidden in _by_hiding(zero_variants))
         out.append((bound * SLACK, (s, sch, m, stages)))
     return out
 
