@@ -9,10 +9,31 @@ gradient comes back on its own alias and they are summed in x's dtype (fp32), as
 separate casts' gradients were. Nothing changes without autocast or for a tensor already in
 the autocast dtype. Under tensor parallelism x is the gathered input (a replicated DTensor,
 tp D per token): the one copy matters most there.
+
+`announce(src, out, rebuild)`: out is rebuild(src) and nothing else. Where src is watched
+(parallel/output_recompute.py watches a norm's output so that backward can compute it again,
+parallel.recompute_modules=layernorm) out is watched too, rebuilt from src's recomputed value;
+the one copy above and tensor parallelism's gathers of a watched input announce themselves,
+so the copy the projections keep is recomputed rather than held. A no-op where nothing
+watches src.
 """
+import functools
+
 import torch
 
-__all__ = ["readers"]
+__all__ = ["announce", "readers"]
+WATCH = "_moekit_rebuild_watch"   # the attribute a watched tensor carries (a callable)
+
+
+def announce(src: torch.Tensor, out: torch.Tensor, rebuild) -> None:
+    """Tell a watcher of src, if any, that out == rebuild(src) (see the module docstring)."""
+    watch = getattr(src, WATCH, None)
+    if watch is not None:
+        watch(out, rebuild)
+
+
+def _cast(x: torch.Tensor, dtype) -> torch.Tensor:
+    return x.to(dtype)
 
 
 class _CastOnce(torch.autograd.Function):
@@ -42,4 +63,6 @@ def readers(x: torch.Tensor, n: int) -> tuple:
     dtype = torch.get_autocast_dtype(dev)
     if x.dtype == dtype or not torch.is_grad_enabled() or not x.requires_grad:
         return (x,) * n
-    return _CastOnce.apply(x, dtype, n)
+    out = _CastOnce.apply(x, dtype, n)
+    announce(x, out[0], functools.partial(_cast, dtype=dtype))   # the n aliases share its storage
+    return out

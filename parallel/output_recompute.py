@@ -2,73 +2,116 @@
 (parallel.recompute_modules=layernorm; Megatron's "checkpoint without output").
 
 Checkpointing a norm alone frees nothing: the layers that read its output (attention's
-projections, the router) save that output for their own backward. Here, while a block's
-forward runs, the tensors autograd saves are inspected (saved-tensor hooks): one that is
-the output of a chosen module (the same storage) is replaced by a note -- the module, its
-input (which the module's own backward keeps anyway) and the view that was saved. The first
-time backward unpacks a note, the module's forward runs again on that input (no graph) and
-every saved view of the output is taken from the result. Values are equal to the forward's:
-the module is deterministic (a norm), run again under the forward's autocast state.
+projections, the router) save that output for their own backward -- or a tensor made from
+it alone: under autocast the projections' one low-precision copy (moe/cast_once.py), under
+tensor parallelism the sequence-gathered input (parallel/tensor/one_d.py), which those
+announce (cast_once.announce). Here, while a block's forward runs, the tensors autograd saves
+are inspected (saved-tensor hooks): one that shares storage with a watched tensor -- the
+output of a chosen module, or one announced as made from a watched tensor -- is replaced by a
+note (the view that was saved, and for a DTensor its layout). The first time backward unpacks
+a note, the module's forward runs again on its input (which the module's own backward keeps
+anyway; no graph), and each announced tensor is made again from it (a cast, a gather over tp:
+the gather is a collective in backward, every tp rank reaching it in the same order, as
+Megatron's sequence parallelism gathers its kept shard again). Values are equal to the
+forward's: the module is deterministic (a norm), run again under the forward's autocast state.
 
     recompute_outputs(block, modules)   patch block.forward and each module's forward
 
 State lives in the closure of one block's patched forward: the notes of the forward call
-in progress (cleared when it returns; a note then lives only inside the saved slots that
-point to it).
+in progress (cleared, and the watch marks taken off the tensors, when it returns; a note then
+lives only inside the saved slots that point to it).
 """
 import functools
 import weakref
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
+
+from moe.cast_once import WATCH
 
 __all__ = ["recompute_outputs"]
 
 
-class _Note:
-    """One output of one module call, computed again at most once."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor without an autograd op (this runs inside a pack hook)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
-    def __init__(self, run, x, out):
-        self.run, self.x = run, x
-        self.out, self.storage = weakref.ref(out), out.untyped_storage().data_ptr()
-        dev = out.device.type
-        self.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+
+def _key(t: torch.Tensor) -> tuple:
+    x = _local(t)
+    return x.device, x.dtype, x.untyped_storage().data_ptr()
+
+
+class _Note:
+    """One watched tensor of a block's forward, made again at most once in backward."""
+
+    def __init__(self, make, out):
+        self.make, self.out, self.key = make, weakref.ref(out), _key(out)
         self.value = None
 
-    def matches(self, t) -> bool:
-        out = self.out()
-        return (out is not None and t.device == out.device and t.dtype == out.dtype
-                and t.untyped_storage().data_ptr() == self.storage)
+    def matches(self, key: tuple) -> bool:
+        return self.out() is not None and key == self.key
 
     def get(self) -> torch.Tensor:
         if self.value is None:
-            dev, dtype, on = self.autocast
-            with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
-                self.value = self.run(self.x).contiguous()
+            self.value = self.make()
         return self.value
 
 
+def _module_output(run, x):
+    """make() of a module's output: run(x) again, without a graph, under today's autocast."""
+    dev = x.device.type
+    dtype, on = torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev)
+
+    def make():
+        with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+            return run(x).contiguous()
+    return make
+
+
+def _made_from(note: _Note, rebuild):
+    """make() of a tensor announced as rebuild(the note's tensor)."""
+    def make():
+        with torch.no_grad():
+            return rebuild(note.get())
+    return make
+
+
 class _Slot:
-    """What a saved view of a noted output is packed as."""
+    """What a saved view of a noted tensor is packed as."""
 
     def __init__(self, note, t):
-        self.note, self.view = note, (t.size(), t.stride(), t.storage_offset())
+        x = _local(t)
+        self.note, self.view = note, (x.size(), x.stride(), x.storage_offset())
+        self.layout = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
 
     def unpack(self) -> torch.Tensor:
-        return self.note.get().as_strided(*self.view)
+        x = _local(self.note.get()).as_strided(*self.view)
+        if self.layout is None:
+            return x
+        mesh, placements, shape, stride = self.layout
+        return DTensor.from_local(x, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def recompute_outputs(block, modules) -> None:
-    """While `block` runs forward with gradients, the contiguous outputs of `modules` are
-    not held for backward by the layers reading them. (Under autocast a reader that casts
-    the output keeps its own low-precision copy, which is not the output and stays: casting
-    once for all readers would sum their gradients in the low precision.)"""
+    """While `block` runs forward with gradients, the contiguous outputs of `modules`, and
+    what is announced as made from them alone, are not held for backward by the layers
+    reading them. (Under autocast a reader that casts the output by itself -- autocast's own
+    cast -- keeps that copy, which is not announced and stays.)"""
     notes = []
 
+    def watch(out, make) -> None:
+        note = _Note(make, out)
+        notes.append(note)
+        setattr(out, WATCH, lambda made, rebuild: watch(made, _made_from(note, rebuild)))
+
     def pack(t):
-        for note in notes:
-            if note.matches(t):
-                return _Slot(note, t)
+        if notes:
+            key = _key(t)
+            for note in notes:
+                if note.matches(key):
+                    return _Slot(note, t)
         return t
 
     def unpack(p):
@@ -80,8 +123,8 @@ def recompute_outputs(block, modules) -> None:
         @functools.wraps(inner)
         def forward(x, _inner=inner):
             out = _inner(x)
-            if torch.is_grad_enabled() and out.is_contiguous():
-                notes.append(_Note(_inner, x, out))
+            if torch.is_grad_enabled() and _local(out).is_contiguous():
+                watch(out, _module_output(_inner, x))
             return out
 
         m.forward = forward
@@ -94,6 +137,10 @@ def recompute_outputs(block, modules) -> None:
             try:
                 return block_inner(*args, **kwargs)
             finally:
+                for note in notes:
+                    out = note.out()
+                    if out is not None and hasattr(out, WATCH):
+                        delattr(out, WATCH)
                 notes.clear()
 
     block.forward = block_forward

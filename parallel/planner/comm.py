@@ -30,7 +30,8 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
   tensor parallel, per micro-batch (activation dtype): embedding all-reduce b S D; per block
     attention gather + reduce-scatter and their backward 2 b (S/tp) D + 2 b S D, a dense FFN
-    the same again, an MoE layer that routes per sequence 4 b (S/tp) D (sequence <-> batch
+    the same again, + b (S/tp) D per input gathered again in backward under
+    recompute_modules=layernorm (_regathered), an MoE layer that routes per sequence 4 b (S/tp) D (sequence <-> batch
     all-to-all, both ways), one of dropless token choice the sequence balance loss' [E+1]
     fp32 statistics of the b sequences (it routes tp's sequence split as it is);
     final norm / head gather b (S/tp) D; logits gather b S (V/tp); the sequence split's
@@ -294,6 +295,17 @@ def _sequence_stats(w, plan, state) -> float:
     return seqs * (w.moe_cfg.num_experts + 1) * 4 * moe_layers
 
 
+def _regathered(w, plan, i: int) -> int:
+    """Gathers over tp that block i runs again in backward: recompute_modules=layernorm under
+    1-D tp keeps the attention's gathered input as the norm's input, gathering it again
+    (parallel/output_recompute.py), and in fp32 a dense FFN's (under autocast its readers keep
+    their own casts of it, which stay); none where a checkpointed mlp holds it."""
+    if plan.recompute != "selective" or "layernorm" not in plan.recompute_parts or plan.tp_mode != "1d":
+        return 0
+    dense = not w.is_moe_block(i) and act_bytes(plan.precision) == 4 and "mlp" not in plan.recompute_parts
+    return 1 + dense
+
+
 def _tensor(w, plan, state, book, out, events) -> None:
     """DTensor collectives (functional: the ledger books them as tensor_parallel whatever
     else the tp group is) and the MoE layers' own ones on the tp group (classified by the
@@ -310,8 +322,9 @@ def _tensor(w, plan, state, book, out, events) -> None:
         ffn = 0 if w.is_moe_block(i) else part + full
         moe_layers += w.is_moe_block(i)
         fwd_only += attn + ffn
-        dtensor += 2 * (attn + ffn)              # backward mirrors each
-        calls += 4 if w.is_moe_block(i) else 8
+        again_gathered = _regathered(w, plan, i)
+        dtensor += 2 * (attn + ffn) + again_gathered * part   # backward mirrors each
+        calls += (4 if w.is_moe_block(i) else 8) + again_gathered
     again = plan.recompute == "full"             # recomputation repeats the forward ones
     if state.first_stage:
         dtensor += full                          # vocab-parallel embedding all-reduce

@@ -32,9 +32,14 @@ autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
   with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
   recompute=full keeps D per block and rebuilds one block at a time in backward.
   recompute=selective frees, per token of a block (and rebuilds one block's at a time):
-    layernorm       D per norm the next layers keep in fp32 (under autocast only the MoE
-                    router's fp32 copy, 4/a D; a norm output also read by a checkpointed
-                    mlp / shared_experts stays, held as its input)
+    layernorm       the attention's input its projections keep: tp D (1-D tp's gathered
+                    copy, announced and gathered again in backward; D without tp; under
+                    autocast the one bf16 copy, moe/cast_once.py); in fp32 also the FFN
+                    norm's output its readers keep, D (a dense FFN under tp: its gathered
+                    copy, tp D); under autocast the FFN's readers cast it themselves and keep
+                    their casts (nothing more freed); a norm output also read by a
+                    checkpointed mlp / shared_experts stays, held as its input (measured:
+                    tests/unit/test_selective_recompute.py, tests/dist/test_activation_terms.py)
     moe_act         r K F_e + F_s (the activation outputs)
     experts         r K (2 F_e, 3 F_e gated) (the experts' hidden)
     shared_experts  2 F_s (3 F_s gated); mlp: 2 F (3 F gated) of a dense block
@@ -264,6 +269,7 @@ class _BlockFacts:
     F_s: int         # the shared experts' d_ff (0 in a dense block)
     hidden: int      # a routed row's kept hidden (_routed_hidden; 0 in a dense block)
     fused_gates: bool  # no activation output kept for routed rows (_fused_gates)
+    tp: int          # 1-D tensor parallelism's ranks (its gathered inputs are tp D)
 
     @classmethod
     def of(cls, w, i: int, plan) -> "_BlockFacts":
@@ -275,15 +281,16 @@ class _BlockFacts:
                    w.model_cfg.d_model, 3 if w.gated else 2, moe, r,
                    w.moe_cfg.top_k if moe else 0, w.expert_d_ff if moe else 0,
                    _shared_d_ff(w) if moe else 0, _routed_hidden(w, plan) if moe else 0,
-                   moe and _fused_gates(w, plan))
+                   moe and _fused_gates(w, plan), plan.tp if plan.tp_mode == "1d" else 1)
 
 
 def _layernorm_freed(b) -> tuple:
+    attention = b.tp * b.D   # the projections' input: gathered under tp, cast under autocast
     # a norm output also read by a checkpointed mlp / shared_experts stays, held as its input
     held = ("mlp" in b.parts and not b.moe) or ("shared_experts" in b.parts and b.F_s > 0)
-    if b.a == 4:   # fp32: the norms' outputs themselves
-        return (b.D + (0 if held else b.D),)
-    return (b.D * 4 / b.a,) if b.moe and not held else ()   # autocast: the router's fp32 copy
+    if b.a != 4 or held:   # autocast: the FFN's readers keep their own casts
+        return (attention,)
+    return (attention, b.D if b.moe else b.tp * b.D)   # the MoE runs on the sequence shard
 
 
 def _experts_freed(b) -> tuple:

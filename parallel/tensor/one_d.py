@@ -29,16 +29,19 @@ Between blocks the residual stream is sequence-sharded: each tp rank holds x [B,
   output      lm_head column-parallel over V (tied to tok_emb when the model ties them), the
               logits all-gathered so any loss function works.
 """
+import functools
+
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+from torch.distributed.tensor.parallel import (ColwiseParallel,
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from models.blocks import blocks
 from models.layers import LatentAttention, rms_norm
 from moe import DenseFFN, MoELayer
+from moe.cast_once import announce
 
 from . import comm as tp_comm
 from ..dtensors import local
@@ -94,17 +97,31 @@ def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
         if p is not None:
             setattr(bank, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(dim)])))
 
-    def pre(_mod, args):
-        x = args[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [Shard(1)])
-        return (x.redistribute(mesh, [Replicate()]),) + tuple(args[1:])
-
     def post(_mod, _args, out):
         return out.redistribute(mesh, [Shard(1)]).to_local()
 
-    ffn.register_forward_pre_hook(pre)
+    ffn.register_forward_pre_hook(functools.partial(_gather_input, mesh=mesh))
     ffn.register_forward_hook(post)
+
+
+def _gathered(x, mesh):
+    return x.redistribute(mesh, [Replicate()])
+
+
+def _gather_input(_mod, args, mesh):
+    """A forward pre-hook: the module's first input, sequence-sharded [B, s, D], gathered to a
+    replicated [B, S, D] DTensor; announced as made from the shard (moe/cast_once.py), so
+    parallel.recompute_modules=layernorm gathers it again in backward instead of keeping it."""
+    x = args[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)])
+    whole = _gathered(x, mesh)
+    announce(args[0], whole, functools.partial(_gathered_from, mesh=mesh))
+    return (whole,) + tuple(args[1:])
+
+
+def _gathered_from(x, mesh):
+    return _gathered(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)]), mesh)
 
 
 def _heads_norm(norm: nn.RMSNorm, group) -> None:
@@ -174,8 +191,8 @@ def _shard_block(block, mesh, group) -> None:
         heads = {"attn.wq_b" if attn.q_lora else "attn.wq": ColwiseParallel(),
                  "attn.wkv_b": ColwiseParallel()}
     else:
-        heads = {"attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                 "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
+        attn.register_forward_pre_hook(functools.partial(_gather_input, mesh=mesh))
+        heads = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
     parallelize_module(block, mesh, {"attn_norm": SequenceParallel(), **heads,
                                      "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
                                      "ffn_norm": SequenceParallel()})
@@ -197,14 +214,19 @@ def _shard_block(block, mesh, group) -> None:
 def _latent_attention_hooks(attn, group) -> None:
     """MLA's input gathered, its shared rotary key's gradient summed (module docstring)."""
     def gather_input(_mod, args):
-        x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
-        return (tp_comm.gather_replicated(x, group, 1),) + tuple(args[1:])
+        whole = _latent_input(args[0], group)
+        announce(args[0], whole, functools.partial(_latent_input, group=group))
+        return (whole,) + tuple(args[1:])
     attn.register_forward_pre_hook(gather_input)
     project, rope = attn.wkv_a.forward, attn.rope_dim   # the module's own GEMM (FP8 under fp8)
 
     def latent_and_rotary_key(x):
         return tp_comm.sum_grad_tail(project(x), group, rope)
     attn.wkv_a.forward = latent_and_rotary_key
+
+
+def _latent_input(x, group):
+    return tp_comm.gather_replicated(x.to_local() if isinstance(x, DTensor) else x, group, 1)
 
 
 __all__ = ["apply_tensor_parallel", "Partial"]

@@ -37,7 +37,7 @@ def _over(n_layers: int, case: str) -> list:
             "moe.top_k=2", CASES[case], "moe.force_balance=true", f"train.batch_size={B}"]
 
 
-def _held(rank, world, n_layers: int, case: str, bf16: bool) -> tuple:
+def _held(rank, world, n_layers: int, case: str, bf16: bool, parts: str = "") -> tuple:
     """(bytes a forward leaves alive, bytes of the blocks' matmul weights' bf16 casts: under
     autocast the planner counts those apart, autocast_copy_bytes)."""
     import warnings
@@ -53,7 +53,8 @@ def _held(rank, world, n_layers: int, case: str, bf16: bool) -> tuple:
     cfg = load_config(None, _over(n_layers, case))
     model = init_weights(build_model(cfg.model, cfg.moe, device="meta"), 0, torch.device("cpu"))
     if world > 1:
-        plan = ParallelPlan(tp=world, dp=1).validate(world, cfg.model, cfg.moe, B)
+        rc = dict(recompute="selective", recompute_modules=parts) if parts else {}
+        plan = ParallelPlan(tp=world, dp=1, **rc).validate(world, cfg.model, cfg.moe, B)
         model = parallelize(model, plan, build_meshes(plan), loss_fn=None).model
     tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
     counter = _LiveBytes()
@@ -95,3 +96,33 @@ def test_a_blocks_holding_under_tp_is_the_planners(case, bf16):
     ratio = {tp: _measured(tp, case, bf16) / _counted(tp, case, bf16) for tp in (1, 2)}
     assert all(0.9 <= r <= 1.1 for r in ratio.values()), ratio
     assert abs(ratio[2] / ratio[1] - 1) <= 0.02, ratio
+
+
+def _layernorm_freed(rank, world) -> dict:
+    """{(case, bf16): bytes per token this rank's 4 blocks keep less with layernorm}."""
+    return {(case, bf16): (_held(rank, world, 4, case, bf16)[0]
+                           - _held(rank, world, 4, case, bf16, "layernorm")[0]) / (B * S / world)
+            for case in CASES for bf16 in (False, True)}
+
+
+def test_layernorm_recompute_under_tp_frees_the_planners_count():
+    """recompute_modules=layernorm under tp2 (sequence parallel): the attention's input is
+    kept as the norm's input and gathered again in backward (parallel/output_recompute.py,
+    Megatron's kept shard), so the gathered copy its projections keep -- tp D a token, the
+    bf16 copy under autocast -- is freed; in fp32 also the FFN norm's output (a dense FFN's
+    gathered copy, tp D; the MoE's shard, D). Measured exactly the planner's count
+    (recompute_saved_elems), dense and MoE blocks, fp32 and bf16 (before, layernorm was
+    refused under tp: the gathered copy was kept whatever the norm did)."""
+    from parallel.planner.memory import recompute_saved_elems
+    from trainer.config import load_config
+    from trainer.planning import workload_from_config
+    measured = run_distributed(_layernorm_freed, 2)[0]
+    for (case, bf16), got in measured.items():
+        cfg = load_config(None, _over(4, case) + ["parallel.tp=2", "parallel.dp=1",
+                                                  "parallel.recompute=selective",
+                                                  "parallel.recompute_modules=layernorm"]
+                          + (["parallel.precision=bf16"] if bf16 else []))
+        w = workload_from_config(cfg)
+        plan = w.validate(cfg.parallel, 2)
+        counted = sum(recompute_saved_elems(w, i, plan) for i in range(4)) * (2 if bf16 else 4)
+        assert got == counted, (case, bf16, got, counted)

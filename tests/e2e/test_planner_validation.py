@@ -53,7 +53,7 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     # and selective recomputation under tensor (sequence) parallelism
     (2, {"dp": 1, "pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2,
          "microbatches": 8}),
-    (2, {"dp": 1, "tp": 2, "recompute": "selective", "recompute_modules": "moe_act,experts,core_attn"}),
+    (2, {"dp": 1, "tp": 2, "recompute": "selective", "recompute_modules": "layernorm,moe_act,experts,core_attn"}),
     (4, {"dp": 2, "tp": 2, "ep": 2, "zero": 2}),
     (8, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "zero": 1, "microbatches": 2}),
     (2, {"dp": 2, "zero": 3, "recompute": "full"}, SWITCH),  # encoder-decoder, span corruption

@@ -10,7 +10,7 @@ Memory: the bytes held from forward to backward (the forward's tensors still ali
 end, trainer/memory.py's live-tensor count: deterministic) drop by what the planner counts
 for the part (parallel/planner/memory.py recompute_saved_elems x tokens x bytes): within 10%
 for layernorm, moe_act, experts, shared_experts, mlp and mla_up_proj (measured exactly equal
-but for experts, 0.984). core_attn: the planner counts the fused kernel's log-sum-exp (on a
+but for experts, 0.984); layernorm under bf16 autocast exactly equal. core_attn: the planner counts the fused kernel's log-sum-exp (on a
 GPU its output shares storage with the output projection's input); torch's CPU flash kernel
 keeps its own [B, H, S, Dv] output besides, so here measured is exactly the count plus that
 copy (the live-tensor count is deterministic): a count off by one lse fails. And the refusals, one line each.
@@ -73,7 +73,7 @@ def test_bf16_autocast_and_mla_equal_no_recomputation():
     assert _train(MLA, ("mla_up_proj", "layernorm")) == _train(MLA, ())
 
 
-def _held_bytes(over, parts) -> int:
+def _held_bytes(over, parts, bf16=False) -> int:
     """Bytes of the tensors the forward made that are still alive at its end (what autograd
     keeps for the backward, and the logits): trainer/memory.py's live-tensor count (storages
     by data pointer, freed when their last tensor dies), exact where the profiler's per-op
@@ -81,7 +81,7 @@ def _held_bytes(over, parts) -> int:
     _, model = _model(over, parts)
     t = torch.randint(0, 64, (B, S))
     counter = _LiveBytes()
-    with _Tracker(counter):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _Tracker(counter):
         logits = model(t)
     held = counter.live
     del logits
@@ -105,6 +105,22 @@ def test_freed_memory_matches_the_planner(part):
         assert measured == counted + CPU_OUTPUT_COPY, (measured, counted, CPU_OUTPUT_COPY)
         return
     assert low <= measured / counted <= high, (part, measured, counted)
+
+
+def test_layernorm_under_autocast_frees_the_projections_copy():
+    """Under bf16 autocast the attention's q/k/v keep one bf16 copy of the norm's output
+    (moe/cast_once.py), announced as made from it: layernorm recomputes the copy too, D bf16
+    elements a token a block (before it freed nothing here). The FFN's readers cast the FFN
+    norm's output by themselves and keep their casts: the planner counts nothing there.
+    Measured equal to the count."""
+    cfg = load_config(None, GPT + ["parallel.precision=bf16", "parallel.recompute=selective",
+                                   "parallel.recompute_modules=layernorm"])
+    w = workload_from_config(cfg)
+    plan = w.validate(cfg.parallel, 1)
+    counted = sum(recompute_saved_elems(w, i, plan) for i in range(cfg.model.n_layers)) * B * S * 2
+    measured = _held_bytes(GPT, (), bf16=True) - _held_bytes(GPT, ("layernorm",), bf16=True)
+    assert counted == cfg.model.n_layers * cfg.model.d_model * B * S * 2
+    assert measured == counted, (measured, counted)
 
 
 def test_routed_row_activations_match_the_planner():
@@ -131,8 +147,10 @@ def test_routed_row_activations_match_the_planner():
     (dict(recompute_modules="moe_act"), 1, r"is read by parallel.recompute=selective only"),
     (dict(recompute="selective", recompute_modules="attn"), 1,
      r"parallel.recompute_modules names 'attn'; use any of core_attn, layernorm"),
-    (dict(recompute="selective", recompute_modules="layernorm", tp=2), 2,
-     r"recompute_modules=layernorm with parallel.tp=2"),
+    (dict(recompute="selective", recompute_modules="layernorm", tp=4, tp_mode="2d"), 4,
+     r"recompute_modules=layernorm with parallel.tp_mode=2d"),
+    (dict(recompute="selective", recompute_modules="layernorm,moe_act", precision="fp8"), 1,
+     r"recompute_modules=layernorm with parallel.precision=fp8: the FP8 projections"),
     (dict(recompute="selective", recompute_modules="core_attn", cp=2), 2,
      r"recompute_modules=core_attn with parallel.cp=2"),
 ])
