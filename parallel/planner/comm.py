@@ -28,7 +28,10 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
   expert tensor parallel (etp > 1), per MoE layer and micro-batch: 4 n N rows of D (the
     gather and the partial outputs, forward and backward; N rows reached this rank's
     experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
-  tensor parallel, per micro-batch (activation dtype): embedding all-reduce b S D; per block
+  tensor parallel, per micro-batch (the norms' outputs, the residual stream and their
+    gradients in its dtype, _stream_bytes: fp32 under autocast with fp32 parameters; the
+    matmul outputs and their gradients in the activation dtype; an MTP depth's stream is
+    eh_proj's output, activation dtype): embedding all-reduce b S D; per block
     attention gather + reduce-scatter and their backward 2 b (S/tp) D + 2 b S D, a dense FFN
     the same again, + b (S/tp) D per input gathered again in backward under
     recompute_modules=layernorm (_regathered), an MoE layer that routes per sequence 4 b (S/tp) D (sequence <-> batch
@@ -295,6 +298,15 @@ def _sequence_stats(w, plan, state) -> float:
     return seqs * (w.moe_cfg.num_experts + 1) * 4 * moe_layers
 
 
+def _stream_bytes(plan) -> int:
+    """Bytes an element of the residual stream (and of the norms' outputs) takes: fp32 under
+    autocast with fp32 parameters (the embedding's output and the sums stay fp32), else the
+    activations' dtype. 1-D tp gathers the norms' outputs and reduce-scatters their gradients
+    in it (measured: tests/e2e/test_planner_validation.py's bf16 tp row)."""
+    a = act_bytes(plan.precision)
+    return 4 if a != 4 and plan.param_dtype == "fp32" else a
+
+
 def _regathered(w, plan, i: int) -> int:
     """Gathers over tp that block i runs again in backward: recompute_modules=layernorm under
     1-D tp keeps the attention's gathered input as the norm's input, gathering it again
@@ -314,30 +326,35 @@ def _tensor(w, plan, state, book, out, events) -> None:
         return
     a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, micro_count(w, plan)
     S, D, V = local_tokens(plan, w.stream_tokens["decoder"]), w.model_cfg.d_model, w.model_cfg.vocab_size
-    full, part = seqs * S * D * a, seqs * S * D * a / tp
+    full, part = seqs * S * D * a, seqs * S * D * a / tp   # the matmul outputs' (a bytes)
+    r = _stream_bytes(plan)
+    full_r, part_r = full * r / a, part * r / a            # the residual stream's and norms'
     dtensor, fwd_only, moe_layers, calls = 0.0, 0.0, 0, 0
     blocks = w.blocks_on(state, plan)
+    mtp = set(w.mtp_block_ids())   # an MTP depth's stream starts at eh_proj's output (a bytes)
     for i in blocks:
-        attn = part + full                       # gather the sequence, reduce-scatter wo
-        ffn = 0 if w.is_moe_block(i) else part + full
+        # forward: gather the norm's output, reduce-scatter wo's; backward: gather wo's output
+        # gradient, reduce-scatter the gathered input's (summed in its dtype, moe/cast_once.py)
+        pairs = 1 if w.is_moe_block(i) else 2   # attention; a dense FFN the same again
+        g = part if i in mtp else part_r        # the stream's shard and whole
         moe_layers += w.is_moe_block(i)
-        fwd_only += attn + ffn
+        fwd_only += pairs * (g + full)
         again_gathered = _regathered(w, plan, i)
-        dtensor += 2 * (attn + ffn) + again_gathered * part   # backward mirrors each
-        calls += (4 if w.is_moe_block(i) else 8) + again_gathered
+        dtensor += pairs * (g + full + part + g * tp) + again_gathered * g
+        calls += 4 * pairs + again_gathered
     again = plan.recompute == "full"             # recomputation repeats the forward ones
     if state.first_stage:
-        dtensor += full                          # vocab-parallel embedding all-reduce
+        dtensor += full_r                        # vocab-parallel embedding all-reduce
         calls += 1
-        book("gather", "tp", part * m, m)        # the sequence split's backward
-    if state.last_stage:
-        dtensor += part + full + seqs * S * (V / tp) * a   # head input gather (+ bwd), logits
+        book("gather", "tp", part_r * m, m)      # the sequence split's backward
+    if state.last_stage:   # head input gather (+ bwd), logits
+        dtensor += part_r + full_r + seqs * S * (V / tp) * a
         calls += 3
     depths = len(w.mtp_block_ids()) if state.last_stage else 0
     if depths:  # each MTP depth embeds the tokens ahead and scores through the head, as the ends do
-        dtensor += depths * (full + part + full + seqs * S * (V / tp) * a)
+        dtensor += depths * (full_r + part + full + seqs * S * (V / tp) * a)   # embed, head
         calls += 4 * depths
-        book("gather", "tp", part * m * depths, m * depths)
+        book("gather", "tp", part_r * m * depths, m * depths)
     if again:
         dtensor += fwd_only
         calls += calls // 2

@@ -54,6 +54,9 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     (2, {"dp": 1, "pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2,
          "microbatches": 8}),
     (2, {"dp": 1, "tp": 2, "recompute": "selective", "recompute_modules": "layernorm,moe_act,experts,core_attn"}),
+    # under bf16 autocast: the norms' fp32 outputs gathered (and their gradients reduce-scattered)
+    # in fp32, the matmul outputs in bf16; layernorm's gather again in backward, fp32 too
+    (2, {"dp": 1, "tp": 2, "recompute": "selective", "recompute_modules": "layernorm", "precision": "bf16"}),
     (4, {"dp": 2, "tp": 2, "ep": 2, "zero": 2}),
     (8, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "zero": 1, "microbatches": 2}),
     (2, {"dp": 2, "zero": 3, "recompute": "full"}, SWITCH),  # encoder-decoder, span corruption
@@ -89,9 +92,10 @@ LAYOUTS = [  # (world, parallel overrides[, other overrides]); plain dp and ep a
     (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}, HIER),
     (4, {"dp": 4, "ep": 4, "gpus_per_node": 2}, HIER_FP8),
     # multi-token prediction: the depths' parameters, their expert all-to-alls, their blocks'
-    # activations and logits (under tp: their norms' and projection's gradients summed)
+    # activations and logits (under tp: their norms' and projection's gradients summed; under
+    # bf16 a depth's stream is eh_proj's bf16 output, gathered in bf16)
     (2, {"dp": 2, "ep": 2, "zero": 1}, MTP),
-    (2, {"dp": 1, "tp": 2}, MTP),
+    (2, {"dp": 1, "tp": 2, "precision": "bf16"}, MTP),
     # the gates applied inside the experts under expert parallelism (flat dispatch)
     (2, {"dp": 2, "ep": 2}, GATES),
 ]
