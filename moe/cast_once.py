@@ -26,7 +26,11 @@ WATCH = "_moekit_rebuild_watch"   # the attribute a watched tensor carries (a ca
 
 
 def announce(src: torch.Tensor, out: torch.Tensor, rebuild) -> None:
-    """Tell a watcher of src, if any, that out == rebuild(src) (see the module docstring)."""
+    """Tell a watcher of src, if any, that out == rebuild(src) (see the module docstring).
+    Inside a compiled graph nothing is announced: the graph's partitioner decides what it
+    saves (parallel/compile.py compiles a recomputing block's regions around the notes)."""
+    if torch.compiler.is_compiling():
+        return
     watch = getattr(src, WATCH, None)
     if watch is not None:
         watch(out, rebuild)

@@ -29,14 +29,20 @@ def exchanges_on_host(layer: MoELayer) -> bool:
 
 
 def regions(block: nn.Module) -> list:
-    """The modules parallel.compile compiles for this block, each as one graph."""
+    """The modules parallel.compile compiles for this block, each as one graph. A block whose
+    norms' outputs are recomputed (parallel/output_recompute.py) keeps its own forward and the
+    norms eager: its saved-tensor hooks and the norms' notes are not traceable, so its other
+    children compile, each whole, and their graphs' saved tensors meet the hooks."""
     exchanging = [m for m in block.modules() if isinstance(m, MoELayer) and exchanges_on_host(m)]
-    if not exchanging:
+    eager = getattr(block, "outputs_recomputed", ())
+    if not exchanging and not eager:
         return [block]
     out = []
     for layer in exchanging:
         out += [m for m in (layer.router, layer.shared_experts) if m is not None]
     for child in block.children():
+        if any(child is m for m in eager):
+            continue
         if not any(c is layer for c in child.modules() for layer in exchanging):
             out.append(child)
     return out

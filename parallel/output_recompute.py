@@ -129,6 +129,7 @@ def recompute_outputs(block, modules) -> None:
 
         m.forward = forward
 
+    block.outputs_recomputed = tuple(modules)   # parallel/compile.py keeps these eager
     block_inner = block.forward
 
     @functools.wraps(block_inner)
