@@ -1,5 +1,5 @@
 """train.py with parallel.recompute=selective: the same losses as without recomputation, to
-the last digit (one process and dp2 x ep2), the layout line naming the parts; a part the
+the last digit (one process, dp2 x ep2, and tp2 under bf16), the layout line naming the parts; a part the
 model lacks is refused in one line before anything runs."""
 import pytest
 
@@ -9,7 +9,10 @@ pytestmark = pytest.mark.e2e
 PARTS = "parallel.recompute_modules=core_attn,layernorm,moe_act,experts,mlp"
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.dp=2", "parallel.ep=2"])])
+@pytest.mark.parametrize("nproc, layout", [
+    (1, []), (2, ["parallel.dp=2", "parallel.ep=2"]),
+    # layernorm under tp (sequence parallel), bf16: the gathered bf16 copy rebuilt in backward
+    (2, ["parallel.dp=1", "parallel.tp=2", "parallel.precision=bf16"])])
 def test_selective_same_losses_as_none(tmp_path, nproc, layout):
     common = TINY + layout + [f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4",
                               "checkpoint.every=0", "checkpoint.at_end=false",
