@@ -10,13 +10,14 @@ logits and one fp32 log-sum-exp per row; it walks the rows in chunks of about CH
 fp32 in the forward (log-sum-exp and target logit) and again in the backward (softmax minus
 one-hot, in the logits' dtype), each chunk one fused op (ce_chunk, ce_chunk_grad_). Per row
 the arithmetic is the same fp32 arithmetic as torch's; only the order of the final sum over
-rows differs (fp32 rounding). fp64 logits are handled in fp64 throughout (loss_dtype), so
+rows differs (fp32 rounding). fp64 logits are handled in fp64 throughout (accumulation_dtype), so
 an fp64 proof stays fp64 up to its loss.
 """
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from moe.dtypes import accumulation_dtype
 from moe.fusion import run_fused
 
 CHUNK_BYTES = 1 << 30  # fp32 bytes of one chunk of rows: large enough that launches stay few
@@ -28,13 +29,8 @@ def chunk_rows(n_rows: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, min(n_rows, chunk_bytes // (4 * vocab)))
 
 
-def loss_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision logits, fp64 for fp64 ones (an fp64 proof stays fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _chunk_forward(logits_RV, target_R, valid_R):
-    x_RV = logits_RV.to(loss_dtype(logits_RV.dtype))
+    x_RV = logits_RV.to(accumulation_dtype(logits_RV.dtype))
     lse_R = torch.logsumexp(x_RV, dim=-1)
     picked_R = x_RV.gather(1, target_R.unsqueeze(1)).squeeze(1)
     return lse_R, torch.where(valid_R, lse_R - picked_R, 0.0).sum()
@@ -65,7 +61,7 @@ def ce_chunk_grad_(logits_RV: torch.Tensor, target_R: torch.Tensor, lse_R: torch
 
 @ce_chunk.register_fake
 def _(logits_RV, target_R, valid_R):
-    dtype = loss_dtype(logits_RV.dtype)
+    dtype = accumulation_dtype(logits_RV.dtype)
     return logits_RV.new_empty(logits_RV.shape[0], dtype=dtype), logits_RV.new_empty((), dtype=dtype)
 
 
@@ -111,7 +107,7 @@ def mean_token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, count=Non
     fp32 copy of the whole logits; `count` as chunked_cross_entropy's."""
     V = logits_BSV.shape[-1]
     if isinstance(logits_BSV, DTensor):  # a sharded vocabulary: torch's own loss handles it
-        total = F.cross_entropy(logits_BSV.to(loss_dtype(logits_BSV.dtype)).reshape(-1, V), labels_BS.reshape(-1),
+        total = F.cross_entropy(logits_BSV.to(accumulation_dtype(logits_BSV.dtype)).reshape(-1, V), labels_BS.reshape(-1),
                                 ignore_index=IGNORE, reduction="sum")
         return total / ((labels_BS != IGNORE).sum() if count is None else count)
     return chunked_cross_entropy(logits_BSV.reshape(-1, V), labels_BS.reshape(-1), count=count)

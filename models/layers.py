@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from moe import DenseFFN, MoELayer
 
 from moe.cast_once import readers
+from moe.dtypes import accumulation_dtype
 
 
 class Linear(nn.Linear):
@@ -76,7 +77,7 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple:
 
 def apply_rope(x_BHSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + Hd/2) by position-dependent angles (GPT-NeoX layout)."""
-    x1, x2 = x_BHSD.to(torch.promote_types(x_BHSD.dtype, torch.float32)).chunk(2, dim=-1)
+    x1, x2 = x_BHSD.to(accumulation_dtype(x_BHSD.dtype)).chunk(2, dim=-1)
     out = torch.cat((x1 * cos_SH - x2 * sin_SH, x2 * cos_SH + x1 * sin_SH), dim=-1)
     return out.to(x_BHSD.dtype)
 

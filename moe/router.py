@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .capacity import capacity_keep_mask, expert_capacity
 from .config import RoutingConfig
+from .dtypes import accumulation_dtype
 from .losses import router_z_loss
 from .router_ops import LOW_PRECISION, mean_entropy, plain, router_logits, score_stats
 from .routing import Routing, count_ids, count_per_group, recomputing
@@ -63,7 +64,7 @@ class Router(nn.Module):
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         c = self.config
-        dtype = c.logits_dtype or torch.promote_types(x_TD.dtype, torch.float32)
+        dtype = c.logits_dtype or accumulation_dtype(x_TD.dtype)
         jitter = self.training and c.jitter > 0
         if x_TD.dtype in LOW_PRECISION and dtype == torch.float32 and not jitter \
                 and plain(x_TD, self.weight):  # no fp32 copy of x (moe/router_ops.py)

@@ -27,6 +27,7 @@ import torch
 
 from .activations import _gated_backward, _gated_forward
 from .fusion import is_plain, run_fused
+from .dtypes import accumulation_dtype
 
 __all__ = ["weighted", "weighted_backward", "weighted_act", "gate_column", "gate_bias_grad",
            "add_gated_bias"]
@@ -38,10 +39,6 @@ def gate_column(g_n: torch.Tensor, dtype) -> torch.Tensor:
     return g_n.to(dtype).unsqueeze(1)
 
 
-def _acc(dtype):
-    return torch.promote_types(dtype, torch.float32)   # fp32 sums (fp64 for fp64 rows)
-
-
 def _weighted_gated(name: str, h1, h3, g, alpha: float, limit: float):
     return _gated_forward(name, h1, h3, alpha, limit) * gate_column(g, h1.dtype)
 
@@ -50,7 +47,7 @@ def _gate_parts(dag, a, g) -> tuple:
     """(the gate's gradient <dag, a>, the gradient through the gate dag g, the gated hidden
     a g) of a gated hidden's gradient dag, a the hidden before its gate."""
     col = gate_column(g, a.dtype)
-    return (dag * a).sum(-1, dtype=_acc(a.dtype)), dag * col, a * col
+    return (dag * a).sum(-1, dtype=accumulation_dtype(a.dtype)), dag * col, a * col
 
 
 def _weighted_gated_backward(name: str, dag, h1, h3, g, alpha: float, limit: float):
@@ -81,7 +78,7 @@ def _(name, h1, h3, g, alpha, limit):
 @weighted_gated_act_backward.register_fake
 def _(name, dag, h1, h3, g, alpha, limit):
     return (torch.empty_like(h1), torch.empty_like(h3),
-            h1.new_empty(h1.shape[0], dtype=_acc(h1.dtype)), torch.empty_like(h1))
+            h1.new_empty(h1.shape[0], dtype=accumulation_dtype(h1.dtype)), torch.empty_like(h1))
 
 
 def _fused(act, *tensors) -> bool:
@@ -109,7 +106,7 @@ def weighted_backward(act, dag, h1, h3, g_n) -> tuple:
 def gate_bias_grad(dy_nD, b2_nD) -> torch.Tensor:
     """The output bias's part of the gate gradient, <dy, b2> per row (b2_nD: each row's
     expert's bias)."""
-    return (dy_nD * b2_nD.to(dy_nD.dtype)).sum(-1, dtype=_acc(dy_nD.dtype))
+    return (dy_nD * b2_nD.to(dy_nD.dtype)).sum(-1, dtype=accumulation_dtype(dy_nD.dtype))
 
 
 def add_gated_bias(y_ND: torch.Tensor, b2_ND: torch.Tensor, g_N: torch.Tensor) -> torch.Tensor:

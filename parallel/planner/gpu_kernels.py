@@ -28,15 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from moe.dtypes import accumulation_dtype
+
 __all__ = ["gpu_kernels", "fused_rms_norm", "fused_attention"]
 
 
-def _acc(dtype):
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _rstd(x, eps: float):
-    xf = x.to(_acc(x.dtype))
+    xf = x.to(accumulation_dtype(x.dtype))
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -58,7 +56,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
 
 @_forward.register_fake
 def _(x, w, eps):
-    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=_acc(x.dtype))
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=accumulation_dtype(x.dtype))
 
 
 @_backward.register_fake
@@ -91,7 +89,7 @@ def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
 
 def _scores(q, k, causal: bool, scale: float):
     """q k^T scale in fp32 (fp64 for fp64), the future masked to -inf when causal."""
-    acc = _acc(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
     if causal:
         S, L = s.shape[-2:]
@@ -102,7 +100,7 @@ def _scores(q, k, causal: bool, scale: float):
 
 def _attend(q, k, v, causal: bool, scale: float):
     """softmax(q k^T scale) v and its log-sum-exp per query [B, H, S] (fp32, fp64 for fp64)."""
-    acc = _acc(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     return ((s - lse.unsqueeze(-1)).exp() @ v.to(acc)).to(q.dtype), lse
@@ -127,7 +125,7 @@ def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 @_attention.register_fake
 def _(q, k, v, causal, scale):
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=_acc(q.dtype))
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
 
 
 @_attention_backward.register_fake
