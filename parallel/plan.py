@@ -96,8 +96,14 @@ class ParallelPlan:
                 s += f" pp_layers={self.pp_layers}"
         extras = [f"{f.name}={_toml(getattr(self, f.name))}" for f in dataclasses.fields(self)
                   if f.name in _SHOWN_IF_SET and getattr(self, f.name) != f.default
-                  and f.name != "compile"] + (["compile=true"] if self.compile is True else [])
+                  and f.name != "compile"] + (["compile=true"] if self.compiled else [])
         return " ".join([s] + extras)
+
+    @property
+    def compiled(self) -> bool:
+        """parallel.compile resolved on; "auto" unresolved counts as off (train.py resolves it
+        per device, parallel/compile.auto_compile; the planner's check as a CUDA run would)."""
+        return self.compile is True
 
     @property
     def recompute_parts(self) -> tuple:

@@ -178,7 +178,7 @@ def predict(w, plan, hw, costs, cache: StateCache) -> Prediction:
         hidden = hideable_seconds(comm_s, plan, d, paired[stage])
         sb = cache.step_bytes(w, plan.precision, plan.param_dtype) if hw.hbm_tbs else None  # priced where known
         membound = rank_bytes(sb, w, plan, state, micro_seqs(w, plan), m) if sb else None
-        membound_s = membound / membound_bandwidth(hw, plan.compile is True) if membound else 0.0
+        membound_s = membound / membound_bandwidth(hw, plan.compiled) if membound else 0.0
         timed += membound_s * hw.tflops * 1e12  # memory-bound kernels hold the compute stream
         breakdown = stage_breakdown(timed, membound_s, comm_s, out.bubble, hw,
                                     predicted_hidden(hidden, plan),

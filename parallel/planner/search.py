@@ -379,7 +379,7 @@ def variant_bound(w, plan, costs, hw, sizes, stages, sync_factor: tuple = None,
         compute = rank_flops(costs, w, plan, st, slowdown, fp8) / (hw.tflops * 1e12)
         if costs.step_bytes is not None:  # its memory-bound work per token (traced_bytes.py)
             compute += token_bytes(costs.step_bytes, w, plan, st.block_ids, st.last_stage) / \
-                membound_bandwidth(hw, plan.compile is True)
+                membound_bandwidth(hw, plan.compiled)
         stretched, rest = inside_seconds(w, plan, st, hw)
         xs.append((compute + stretched) / (1 - bubble) + rest)
         worst = max(worst, total(xs[-1], sync(own, 1)))

@@ -330,7 +330,7 @@ def fp8_gemm_time(plan, hw: Hardware, w=None) -> float:
     if plan.fp8_recipe != "rowwise" or w is None:
         return hw.tflops / hw.fp8_tflops
     from moe.fp8_rowwise import fp8_speedup, rowwise_pays
-    compiled = plan.compile is True
+    compiled = plan.compiled
     tokens = micro_seqs(w, plan) * w.stream_tokens.get("decoder", 0) / plan.cp
     flops = timed = 0.0
     for K, N, per_token, rows in _block_gemms(w, tokens):
