@@ -104,6 +104,18 @@ def _aliases_input(t, args) -> bool:
     return any(_storage_key(a)[0] == key for a in _tensors(list(args)))
 
 
+def held_after(forward) -> int:
+    """Bytes the tensors forward() makes still hold when it returns -- what autograd keeps
+    for backward, and the output, alive while counted: the live-tensor counter around one
+    call (the tests' measure of what a block keeps; deterministic)."""
+    counter = _LiveBytes()
+    with _Tracker(counter):
+        out = forward()
+    held = counter.live
+    del out
+    return held
+
+
 CPU_EVERY = 50  # a measured CPU step costs 1.6x (bench/peak_mem_cost.py): ~1% of a run
 
 

@@ -48,7 +48,7 @@ def _held(rank, world, n_layers: int, case: str, bf16: bool, parts: str = "") ->
     from parallel.mesh import build_meshes
     from parallel.plan import ParallelPlan
     from trainer.config import load_config
-    from trainer.memory import _LiveBytes, _Tracker
+    from trainer.memory import held_after
     warnings.filterwarnings("ignore", message=r"MoELayer\(force_balance=True\)")
     cfg = load_config(None, _over(n_layers, case))
     model = init_weights(build_model(cfg.model, cfg.moe, device="meta"), 0, torch.device("cpu"))
@@ -57,11 +57,11 @@ def _held(rank, world, n_layers: int, case: str, bf16: bool, parts: str = "") ->
         plan = ParallelPlan(tp=world, dp=1, **rc).validate(world, cfg.model, cfg.moe, B)
         model = parallelize(model, plan, build_meshes(plan), loss_fn=None).model
     tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
-    counter = _LiveBytes()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _Tracker(counter):
-        out = model(tokens)   # alive while read: it holds the graph and what it saved
-    held = counter.live
-    del out
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model(tokens)
+    held = held_after(forward)
     casts = sum(local(p).numel() * 2 for n, p in model.named_parameters()
                 if bf16 and n.startswith("blocks.") and p.dim() >= 2)
     return held, casts

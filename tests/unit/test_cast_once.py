@@ -13,7 +13,7 @@ import torch
 import models.layers as layers
 from models import build_model
 from trainer.config import load_config
-from trainer.memory import _LiveBytes, _Tracker
+from trainer.memory import held_after
 
 B, S = 2, 32
 GPT = ["model.vocab_size=64", "model.d_model=64", "model.n_heads=4", "model.d_ff=128",
@@ -31,12 +31,11 @@ def _model(over, n_layers):
 def _held(over, n_layers) -> int:
     model = _model(over, n_layers)
     t = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
-    counter = _LiveBytes()
-    with torch.autocast("cpu", dtype=torch.bfloat16), _Tracker(counter):
-        out = model(t)   # alive while read: it holds the graph
-    held = counter.live
-    del out
-    return held
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(t)
+    return held_after(forward)
 
 
 def _per_block(over) -> float:

@@ -26,7 +26,7 @@ from parallel.planner.memory import recompute_saved_elems
 from parallel.recompute import apply_recompute
 from parallel.recompute_parts import RECOMPUTE_PARTS
 from trainer.config import load_config
-from trainer.memory import _LiveBytes, _Tracker
+from trainer.memory import held_after
 from trainer.planning import workload_from_config
 
 B, S = 8, 16
@@ -80,12 +80,11 @@ def _held_bytes(over, parts, bf16=False) -> int:
     sums were not (their MLA figure swung from 0.76x to a negative)."""
     _, model = _model(over, parts)
     t = torch.randint(0, 64, (B, S))
-    counter = _LiveBytes()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _Tracker(counter):
-        logits = model(t)
-    held = counter.live
-    del logits
-    return held
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model(t)
+    return held_after(forward)
 
 
 CPU_OUTPUT_COPY = 32 * 4 * 4 * B * S  # H x Dv = D fp32 per token, in each of the 4 blocks
