@@ -38,25 +38,42 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _key(t: torch.Tensor) -> tuple:
+def _key(t: torch.Tensor):
+    """(device, dtype, storage pointer) of t's local tensor; None for a tensor without a
+    storage of its own (a wrapper subclass other than DTensor): never matched."""
     x = _local(t)
-    return x.device, x.dtype, x.untyped_storage().data_ptr()
+    try:
+        return x.device, x.dtype, x.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """t is the whole of its storage (a fresh result), so its storage pointer names it alone."""
+    x = _local(t)
+    return _key(t) is not None and x.storage_offset() == 0 and x.is_contiguous() \
+        and x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 
 class _Note:
-    """One watched tensor of a block's forward, made again at most once in backward."""
+    """One watched tensor of a block's forward, made again in backward: once, and kept while
+    saved slots point to it, when backward reads it; a note no slot points to (the fp32 norm
+    output a gather or a cast was made from) is made on the way and not kept."""
 
     def __init__(self, make, out):
         self.make, self.out, self.key = make, weakref.ref(out), _key(out)
-        self.value = None
+        self.value, self.slots = None, 0
 
-    def matches(self, key: tuple) -> bool:
+    def matches(self, key) -> bool:
         return self.out() is not None and key == self.key
 
     def get(self) -> torch.Tensor:
-        if self.value is None:
-            self.value = self.make()
-        return self.value
+        if self.value is not None:
+            return self.value
+        value = self.make()
+        if self.slots:
+            self.value = value
+        return value
 
 
 def _module_output(run, x):
@@ -84,6 +101,7 @@ class _Slot:
     def __init__(self, note, t):
         x = _local(t)
         self.note, self.view = note, (x.size(), x.stride(), x.storage_offset())
+        note.slots += 1
         self.layout = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
 
     def unpack(self) -> torch.Tensor:
@@ -102,6 +120,8 @@ def recompute_outputs(block, modules) -> None:
     notes = []
 
     def watch(out, make) -> None:
+        if not _owns_storage(out):   # a view's storage pointer is its base's: not watched
+            return
         note = _Note(make, out)
         notes.append(note)
         setattr(out, WATCH, lambda made, rebuild: watch(made, _made_from(note, rebuild)))
@@ -109,7 +129,7 @@ def recompute_outputs(block, modules) -> None:
     def pack(t):
         if notes:
             key = _key(t)
-            for note in notes:
+            for note in notes if key is not None else ():
                 if note.matches(key):
                     return _Slot(note, t)
         return t
@@ -123,7 +143,7 @@ def recompute_outputs(block, modules) -> None:
         @functools.wraps(inner)
         def forward(x, _inner=inner):
             out = _inner(x)
-            if torch.is_grad_enabled() and _local(out).is_contiguous():
+            if torch.is_grad_enabled():
                 watch(out, _module_output(_inner, x))
             return out
 

@@ -30,10 +30,6 @@ def _check_recompute(p: ParallelPlan) -> None:
         raise _err(f"parallel.recompute_modules={p.recompute_modules} is read by "
                    f"parallel.recompute=selective only (got recompute={p.recompute}); set "
                    f"recompute=selective or recompute_modules=''")
-    if "layernorm" in parts and p.precision == "fp8":
-        raise _err("parallel.recompute_modules=layernorm with parallel.precision=fp8: the FP8 "
-                   "projections (torchao's Float8Linear) keep their own bf16 casts of the norms' "
-                   "outputs, so nothing would be freed; drop layernorm or use precision=bf16")
     if "layernorm" in parts and p.tp > 1 and p.tp_mode != "1d":
         raise _err(f"parallel.recompute_modules=layernorm with parallel.tp_mode={p.tp_mode}: the "
                    f"grid's gathered norm outputs are kept by the layers reading them, so nothing "

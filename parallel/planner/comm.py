@@ -29,7 +29,7 @@ D model dim, V vocabulary, K top-k, m micro-batches, n MoE layers on the rank.
     gather and the partial outputs, forward and backward; N rows reached this rank's
     experts, n = etp) + the n x E/ep int64 count table (_expert_tensor)
   tensor parallel, per micro-batch (the norms' outputs, the residual stream and their
-    gradients in its dtype, _stream_bytes: fp32 under autocast with fp32 parameters; the
+    gradients in its dtype, memory.stream_bytes: fp32 under autocast with fp32 parameters; the
     matmul outputs and their gradients in the activation dtype; an MTP depth's stream is
     eh_proj's output, activation dtype): embedding all-reduce b S D; per block
     attention gather + reduce-scatter and their backward 2 b (S/tp) D + 2 b S D, a dense FFN
@@ -67,7 +67,7 @@ from moe.wire import named_formats, wire_row_bytes
 
 from ..ledger import KINDS, classify
 from .expert_nodes import DISPATCH_CALLS, dispatch_mode, ep_nodes, expert_a2a_bytes, nodes_per_token
-from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs
+from .memory import act_bytes, fsdp_wire_ratio, local_tokens, micro_seqs, stream_bytes
 from .rank_state import muon_facts
 
 
@@ -298,23 +298,16 @@ def _sequence_stats(w, plan, state) -> float:
     return seqs * (w.moe_cfg.num_experts + 1) * 4 * moe_layers
 
 
-def _stream_bytes(plan) -> int:
-    """Bytes an element of the residual stream (and of the norms' outputs) takes: fp32 under
-    autocast with fp32 parameters (the embedding's output and the sums stay fp32), else the
-    activations' dtype. 1-D tp gathers the norms' outputs and reduce-scatters their gradients
-    in it (measured: tests/e2e/test_planner_validation.py's bf16 tp row)."""
-    a = act_bytes(plan.precision)
-    return 4 if a != 4 and plan.param_dtype == "fp32" else a
-
-
 def _regathered(w, plan, i: int) -> int:
     """Gathers over tp that block i runs again in backward: recompute_modules=layernorm under
     1-D tp keeps the attention's gathered input as the norm's input, gathering it again
-    (parallel/output_recompute.py), and in fp32 a dense FFN's (under autocast its readers keep
-    their own casts of it, which stay); none where a checkpointed mlp holds it."""
-    if plan.recompute != "selective" or "layernorm" not in plan.recompute_parts or plan.tp_mode != "1d":
+    (parallel/output_recompute.py), and a dense FFN's where its readers keep it as it is (the
+    stream in the activation dtype; under autocast over an fp32 stream they keep their own
+    casts); none under fp8 (torchao's projections keep their own casts)."""
+    if plan.recompute != "selective" or "layernorm" not in plan.recompute_parts or plan.tp_mode != "1d" \
+            or plan.precision == "fp8":   # torchao's projections keep their own casts of it
         return 0
-    dense = not w.is_moe_block(i) and act_bytes(plan.precision) == 4 and "mlp" not in plan.recompute_parts
+    dense = not w.is_moe_block(i) and stream_bytes(plan) == act_bytes(plan.precision)
     return 1 + dense
 
 
@@ -327,7 +320,7 @@ def _tensor(w, plan, state, book, out, events) -> None:
     a, seqs, tp, m = act_bytes(plan.precision), micro_seqs(w, plan), plan.tp, micro_count(w, plan)
     S, D, V = local_tokens(plan, w.stream_tokens["decoder"]), w.model_cfg.d_model, w.model_cfg.vocab_size
     full, part = seqs * S * D * a, seqs * S * D * a / tp   # the matmul outputs' (a bytes)
-    r = _stream_bytes(plan)
+    r = stream_bytes(plan)
     full_r, part_r = full * r / a, part * r / a            # the residual stream's and norms'
     dtensor, fwd_only, moe_layers, calls = 0.0, 0.0, 0, 0
     blocks = w.blocks_on(state, plan)

@@ -32,14 +32,15 @@ autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
   with r = 1 locally, the imbalance (busiest rank, capped by the capacity factor) under ep.
   recompute=full keeps D per block and rebuilds one block at a time in backward.
   recompute=selective frees, per token of a block (and rebuilds one block's at a time):
-    layernorm       the attention's input its projections keep: tp D (1-D tp's gathered
-                    copy, announced and gathered again in backward; D without tp; under
-                    autocast the one bf16 copy, moe/cast_once.py); in fp32 also the FFN
-                    norm's output its readers keep, D (a dense FFN under tp: its gathered
-                    copy, tp D); under autocast the FFN's readers cast it themselves and keep
-                    their casts (nothing more freed); a norm output also read by a
-                    checkpointed mlp / shared_experts stays, held as its input (measured:
-                    tests/unit/test_selective_recompute.py, tests/dist/test_activation_terms.py)
+    layernorm       what the readers of the two norms' outputs keep of them (measured:
+                    tests/unit/test_selective_recompute.py, tests/dist/test_activation_terms.py):
+                    the attention's input, tp D (1-D tp's gathered copy, gathered again in
+                    backward; D without tp; under autocast the projections' one bf16 copy,
+                    moe/cast_once.py; none under fp8: torchao's projections keep their own
+                    casts); the FFN norm's output where its readers keep it as it is (the
+                    stream in the activation dtype): a dense FFN's gathered copy, tp D, the
+                    MoE router's input in fp32, D; under autocast over the fp32 stream the MoE
+                    router's fp32 input (autocast off), 4/a D, a dense FFN nothing (its casts)
     moe_act         r K F_e + F_s (the activation outputs)
     experts         r K (2 F_e, 3 F_e gated) (the experts' hidden)
     shared_experts  2 F_s (3 F_s gated); mlp: 2 F (3 F gated) of a dense block
@@ -96,6 +97,15 @@ def fsdp_wire_ratio(plan) -> float:
 
 def act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
+
+
+def stream_bytes(plan) -> int:
+    """Bytes an element of the residual stream (and of the norms' outputs) takes: fp32 under
+    autocast with fp32 parameters (the embedding's output and the sums stay fp32), else the
+    activations' dtype. 1-D tp gathers the norms' outputs and reduce-scatters their gradients
+    in it (measured: tests/e2e/test_planner_validation.py's bf16 tp row)."""
+    a = act_bytes(plan.precision)
+    return 4 if a != 4 and plan.param_dtype == "fp32" else a
 
 
 # ---------------------------------------------------------------- model state, by device
@@ -270,6 +280,8 @@ class _BlockFacts:
     hidden: int      # a routed row's kept hidden (_routed_hidden; 0 in a dense block)
     fused_gates: bool  # no activation output kept for routed rows (_fused_gates)
     tp: int          # 1-D tensor parallelism's ranks (its gathered inputs are tp D)
+    stream: int      # bytes of a residual-stream element (stream_bytes)
+    fp8: bool        # parallel.precision=fp8 (torchao's projections)
 
     @classmethod
     def of(cls, w, i: int, plan) -> "_BlockFacts":
@@ -281,16 +293,22 @@ class _BlockFacts:
                    w.model_cfg.d_model, 3 if w.gated else 2, moe, r,
                    w.moe_cfg.top_k if moe else 0, w.expert_d_ff if moe else 0,
                    _shared_d_ff(w) if moe else 0, _routed_hidden(w, plan) if moe else 0,
-                   moe and _fused_gates(w, plan), plan.tp if plan.tp_mode == "1d" else 1)
+                   moe and _fused_gates(w, plan), plan.tp if plan.tp_mode == "1d" else 1,
+                   stream_bytes(plan), plan.precision == "fp8")
 
 
 def _layernorm_freed(b) -> tuple:
-    attention = b.tp * b.D   # the projections' input: gathered under tp, cast under autocast
-    # a norm output also read by a checkpointed mlp / shared_experts stays, held as its input
-    held = ("mlp" in b.parts and not b.moe) or ("shared_experts" in b.parts and b.F_s > 0)
-    if b.a != 4 or held:   # autocast: the FFN's readers keep their own casts
-        return (attention,)
-    return (attention, b.D if b.moe else b.tp * b.D)   # the MoE runs on the sequence shard
+    """The norms' outputs (or what is announced as made from them) that their readers keep
+    (the module docstring): (attention's, the FFN's)."""
+    # the projections' input: gathered under tp, their one cast under autocast; under fp8
+    # torchao's Float8Linears cast it themselves and keep their casts
+    attention = 0.0 if b.fp8 else b.tp * b.D
+    if b.stream == b.a:   # fp32, or bf16 parameters: the readers keep the output itself
+        # a dense FFN its gathered copy; an MoE layer's router casts its own fp32 copy but in fp32
+        ffn = b.tp * b.D if not b.moe else (b.D if b.a == 4 else 0.0)
+    else:                 # autocast over the fp32 stream: the router (autocast off) keeps the
+        ffn = b.D * b.stream / b.a if b.moe else 0.0   # fp32 output, the dense FFN its casts
+    return tuple(t for t in (attention, ffn) if t)
 
 
 def _experts_freed(b) -> tuple:

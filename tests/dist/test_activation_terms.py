@@ -53,13 +53,19 @@ def _held(rank, world, n_layers: int, case: str, bf16: bool, parts: str = "") ->
     cfg = load_config(None, _over(n_layers, case))
     model = init_weights(build_model(cfg.model, cfg.moe, device="meta"), 0, torch.device("cpu"))
     if world > 1:
-        rc = dict(recompute="selective", recompute_modules=parts) if parts else {}
+        rc = dict(recompute="selective", recompute_modules=parts) if parts not in ("", "none") else {}
         plan = ParallelPlan(tp=world, dp=1, **rc).validate(world, cfg.model, cfg.moe, B)
         model = parallelize(model, plan, build_meshes(plan), loss_fn=None).model
     tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
+    if parts and bf16:   # (the layernorm test's runs, parts "none" among them) as train.py runs it: the blocks under autocast, the routers in fp32
+        from parallel.precision import apply_precision
+        apply_precision(model, "bf16")
+        bf16_around = False
+    else:
+        bf16_around = bf16
 
     def forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_around):
             return model(tokens)
     held = held_after(forward)
     casts = sum(local(p).numel() * 2 for n, p in model.named_parameters()
@@ -99,8 +105,9 @@ def test_a_blocks_holding_under_tp_is_the_planners(case, bf16):
 
 
 def _layernorm_freed(rank, world) -> dict:
-    """{(case, bf16): bytes per token this rank's 4 blocks keep less with layernorm}."""
-    return {(case, bf16): (_held(rank, world, 4, case, bf16)[0]
+    """{(case, bf16): bytes per token this rank's 4 blocks keep less with layernorm} (bf16 as
+    train.py runs it, parallel/precision.py: the routers in fp32)."""
+    return {(case, bf16): (_held(rank, world, 4, case, bf16, "none")[0]
                            - _held(rank, world, 4, case, bf16, "layernorm")[0]) / (B * S / world)
             for case in CASES for bf16 in (False, True)}
 
@@ -109,10 +116,11 @@ def test_layernorm_recompute_under_tp_frees_the_planners_count():
     """recompute_modules=layernorm under tp2 (sequence parallel): the attention's input is
     kept as the norm's input and gathered again in backward (parallel/output_recompute.py,
     Megatron's kept shard), so the gathered copy its projections keep -- tp D a token, the
-    bf16 copy under autocast -- is freed; in fp32 also the FFN norm's output (a dense FFN's
-    gathered copy, tp D; the MoE's shard, D). Measured exactly the planner's count
-    (recompute_saved_elems), dense and MoE blocks, fp32 and bf16 (before, layernorm was
-    refused under tp: the gathered copy was kept whatever the norm did)."""
+    bf16 copy under autocast -- is freed; and the FFN norm's output where its readers keep it:
+    in fp32 a dense FFN's gathered copy (tp D) or the MoE's shard (D), under bf16 the MoE
+    router's fp32 input (D fp32). Measured exactly the planner's count (recompute_saved_elems),
+    dense and MoE blocks, fp32 and bf16 (before, layernorm was refused under
+    tp: the gathered copy was kept whatever the norm did)."""
     from parallel.planner.memory import recompute_saved_elems
     from trainer.config import load_config
     from trainer.planning import workload_from_config

@@ -15,6 +15,8 @@ GPU its output shares storage with the output projection's input); torch's CPU f
 keeps its own [B, H, S, Dv] output besides, so here measured is exactly the count plus that
 copy (the live-tensor count is deterministic): a count off by one lse fails. And the refusals, one line each.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from models import build_model
 from models.blocks import blocks
 from moe.aux import collect_aux_loss
 from parallel.plan import ParallelPlan
+from parallel.precision import apply_precision
 from parallel.planner.memory import recompute_saved_elems
 from parallel.recompute import apply_recompute
 from parallel.recompute_parts import RECOMPUTE_PARTS
@@ -48,12 +51,13 @@ def _model(over, parts):
 
 def _train(over, parts, bf16=False):
     _, model = _model(over, parts)
+    if bf16:   # as train.py runs it: the blocks under autocast, the routers in fp32
+        apply_precision(model, "bf16")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for step in range(5):
         t = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(step))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(t[:, :-1])
+        logits = model(t[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), t[:, 1:].flatten())
         (loss + collect_aux_loss(model)).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
@@ -81,10 +85,9 @@ def _held_bytes(over, parts, bf16=False) -> int:
     _, model = _model(over, parts)
     t = torch.randint(0, 64, (B, S))
 
-    def forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return model(t)
-    return held_after(forward)
+    if bf16:   # as train.py runs it: the blocks under autocast, the routers in fp32
+        apply_precision(model, "bf16")
+    return held_after(lambda: model(t))
 
 
 CPU_OUTPUT_COPY = 32 * 4 * 4 * B * S  # H x Dv = D fp32 per token, in each of the 4 blocks
@@ -107,19 +110,38 @@ def test_freed_memory_matches_the_planner(part):
 
 
 def test_layernorm_under_autocast_frees_the_projections_copy():
-    """Under bf16 autocast the attention's q/k/v keep one bf16 copy of the norm's output
-    (moe/cast_once.py), announced as made from it: layernorm recomputes the copy too, D bf16
-    elements a token a block (before it freed nothing here). The FFN's readers cast the FFN
-    norm's output by themselves and keep their casts: the planner counts nothing there.
-    Measured equal to the count."""
+    """Under bf16 (train.py's: the blocks autocast, the routers in fp32) the attention's q/k/v
+    keep one bf16 copy of the norm's output (moe/cast_once.py), announced as made from it:
+    layernorm recomputes the copy too, D bf16 elements a token a block (before, only the
+    router's fp32 input was freed). An MoE block's router keeps the FFN norm's fp32 output
+    itself (2 D bf16 elements, freed); a dense FFN's readers cast it and keep their casts.
+    Measured equal to the count (6 D bytes a token of an MoE block, 2 D of a dense one)."""
     cfg = load_config(None, GPT + ["parallel.precision=bf16", "parallel.recompute=selective",
                                    "parallel.recompute_modules=layernorm"])
     w = workload_from_config(cfg)
     plan = w.validate(cfg.parallel, 1)
     counted = sum(recompute_saved_elems(w, i, plan) for i in range(cfg.model.n_layers)) * B * S * 2
     measured = _held_bytes(GPT, (), bf16=True) - _held_bytes(GPT, ("layernorm",), bf16=True)
-    assert counted == cfg.model.n_layers * cfg.model.d_model * B * S * 2
+    moe_blocks = sum(w.is_moe_block(i) for i in range(cfg.model.n_layers))
+    assert counted == (cfg.model.n_layers + 2 * moe_blocks) * cfg.model.d_model * B * S * 2
     assert measured == counted, (measured, counted)
+
+
+def test_layernorm_beside_checkpointed_readers_frees_the_same():
+    """A checkpointed mlp or shared_experts saves its input (the FFN norm's output) through
+    the block's saved-tensor hooks too (torch's non-reentrant checkpoint), so layernorm frees
+    it beside them as alone: measured 2 D fp32 a token a block with and without them, the
+    planner's count (which once kept it as the checkpoint's input)."""
+    parts = ("mlp", "shared_experts")
+    cfg = load_config(None, GPT + ["parallel.recompute=selective",
+                                   "parallel.recompute_modules=" + ",".join(parts + ("layernorm",))])
+    w = workload_from_config(cfg)
+    plan = w.validate(cfg.parallel, 1)
+    base = dataclasses.replace(plan, recompute_modules=",".join(parts))
+    counted = sum(recompute_saved_elems(w, i, plan) - recompute_saved_elems(w, i, base)
+                  for i in range(cfg.model.n_layers)) * B * S * 4
+    measured = _held_bytes(GPT, parts) - _held_bytes(GPT, parts + ("layernorm",))
+    assert measured == counted == 2 * cfg.model.n_layers * cfg.model.d_model * B * S * 4, (measured, counted)
 
 
 def test_layernorm_under_compile_keeps_the_block_and_norms_eager():
@@ -175,8 +197,6 @@ def test_routed_row_activations_match_the_planner():
      r"parallel.recompute_modules names 'attn'; use any of core_attn, layernorm"),
     (dict(recompute="selective", recompute_modules="layernorm", tp=4, tp_mode="2d"), 4,
      r"recompute_modules=layernorm with parallel.tp_mode=2d"),
-    (dict(recompute="selective", recompute_modules="layernorm,moe_act", precision="fp8"), 1,
-     r"recompute_modules=layernorm with parallel.precision=fp8: the FP8 projections"),
     (dict(recompute="selective", recompute_modules="core_attn", cp=2), 2,
      r"recompute_modules=core_attn with parallel.cp=2"),
 ])
