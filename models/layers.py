@@ -119,7 +119,7 @@ class Attention(nn.Module):
         (None: none); keys/values repeated to every query head (repeat=False: one per kv head,
         what a KV cache keeps)."""
         kv = x_BSD if kv_BLD is None else kv_BLD
-        if not _plain_linears(self.wq, self.wk, self.wv):   # FP8 Linears cast for themselves
+        if not _share_cast(self.wq, self.wk, self.wv):   # CPU's FP8 Linears take x as it is
             x_q, x_k, x_v = x_BSD, kv, kv
         elif kv_BLD is None:   # self-attention: one low-precision copy for the three (cast_once.py)
             x_q, x_k, x_v = readers(x_BSD, 3)
@@ -226,8 +226,8 @@ class LatentAttention(Attention):
             raise ValueError("model.attention='mla' is self-attention only")
         N, R = self.head_dim, self.rope_dim
         first = self.wq_a if self.q_lora else self.wq
-        # one low-precision copy for both (cast_once.py); FP8 Linears cast for themselves
-        x_q, x_kv = readers(x_BSD, 2) if _plain_linears(first, self.wkv_a) else (x_BSD, x_BSD)
+        # one low-precision copy for both (cast_once.py); CPU's FP8 Linears take x as it is
+        x_q, x_kv = readers(x_BSD, 2) if _share_cast(first, self.wkv_a) else (x_BSD, x_BSD)
         q_a = self.wq_a(x_q) if self.q_lora else None
         latent_C, k_rot = self.wkv_a(x_kv).split([self.kv_rank, R], dim=-1)
         q_lin, kv_lin = self.up(x_q if q_a is None else q_a, latent_C)
@@ -249,10 +249,13 @@ class LatentAttention(Attention):
         return q_lin, self.wkv_b(self.kv_norm(latent_C))
 
 
-def _plain_linears(*mods) -> bool:
-    """The projections are this file's Linear (their input cast by autocast), not swapped for
-    FP8 ones (parallel/fp8.py), which quantize their own input."""
-    return all(type(m) is Linear for m in mods)
+def _share_cast(*mods) -> bool:
+    """Whether the projections take readers()' one low-precision copy of their input: this
+    file's Linears (autocast casts it for each), and torchao's FP8 Linears (parallel/fp8.py)
+    under CUDA's autocast, the one they read (torch.is_autocast_enabled()): they cast their
+    input to its dtype and keep that cast, so given the copy their cast is a no-op and they
+    keep the one copy, not one each. Elsewhere (CPU) they quantize the input as it is."""
+    return all(type(m) is Linear for m in mods) or torch.is_autocast_enabled()
 
 
 def flash_reads_kv_groups(q: torch.Tensor, mask) -> bool:

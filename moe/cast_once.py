@@ -3,7 +3,9 @@
 Autocast casts an op's fp32 input for each op that reads it, and each projection keeps its own
 cast for its weight's gradient: q, k and v kept three bf16 copies of the same normalised input
 (MLA's two down-projections two; the plain-ops expert path's w1 and w3 two: a dense FFN under
-tensor parallelism), where one serves them all (Megatron's fused QKV keeps one).
+tensor parallelism), where one serves them all (Megatron's fused QKV keeps one); torchao's
+FP8 Linears under CUDA's autocast too (they cast their input to it and keep the cast:
+models/layers._share_cast).
 `readers(x, n)` casts once and hands the n readers n aliases of that one copy; each reader's
 gradient comes back on its own alias and they are summed in x's dtype (fp32), as the n
 separate casts' gradients were. Nothing changes without autocast or for a tensor already in

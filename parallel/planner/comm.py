@@ -303,9 +303,8 @@ def _regathered(w, plan, i: int) -> int:
     1-D tp keeps the attention's gathered input as the norm's input, gathering it again
     (parallel/output_recompute.py), and a dense FFN's where its readers keep it as it is (the
     stream in the activation dtype; under autocast over an fp32 stream they keep their own
-    casts); none under fp8 (torchao's projections keep their own casts)."""
-    if plan.recompute != "selective" or "layernorm" not in plan.recompute_parts or plan.tp_mode != "1d" \
-            or plan.precision == "fp8":   # torchao's projections keep their own casts of it
+    casts)."""
+    if plan.recompute != "selective" or "layernorm" not in plan.recompute_parts or plan.tp_mode != "1d":
         return 0
     dense = not w.is_moe_block(i) and stream_bytes(plan) == act_bytes(plan.precision)
     return 1 + dense

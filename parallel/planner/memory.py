@@ -36,8 +36,7 @@ autocast the two norms' inputs are the fp32 residual stream: 4/a elements each):
                     tests/unit/test_selective_recompute.py, tests/dist/test_activation_terms.py):
                     the attention's input, tp D (1-D tp's gathered copy, gathered again in
                     backward; D without tp; under autocast the projections' one bf16 copy,
-                    moe/cast_once.py; none under fp8: torchao's projections keep their own
-                    casts); the FFN norm's output where its readers keep it as it is (the
+                    moe/cast_once.py, FP8 projections' too on a GPU); the FFN norm's output where its readers keep it as it is (the
                     stream in the activation dtype): a dense FFN's gathered copy, tp D, the
                     MoE router's input in fp32, D; under autocast over the fp32 stream the MoE
                     router's fp32 input (autocast off), 4/a D, a dense FFN nothing (its casts)
@@ -281,7 +280,6 @@ class _BlockFacts:
     fused_gates: bool  # no activation output kept for routed rows (_fused_gates)
     tp: int          # 1-D tensor parallelism's ranks (its gathered inputs are tp D)
     stream: int      # bytes of a residual-stream element (stream_bytes)
-    fp8: bool        # parallel.precision=fp8 (torchao's projections)
 
     @classmethod
     def of(cls, w, i: int, plan) -> "_BlockFacts":
@@ -294,15 +292,13 @@ class _BlockFacts:
                    w.moe_cfg.top_k if moe else 0, w.expert_d_ff if moe else 0,
                    _shared_d_ff(w) if moe else 0, _routed_hidden(w, plan) if moe else 0,
                    moe and _fused_gates(w, plan), plan.tp if plan.tp_mode == "1d" else 1,
-                   stream_bytes(plan), plan.precision == "fp8")
+                   stream_bytes(plan))
 
 
 def _layernorm_freed(b) -> tuple:
     """The norms' outputs (or what is announced as made from them) that their readers keep
     (the module docstring): (attention's, the FFN's)."""
-    # the projections' input: gathered under tp, their one cast under autocast; under fp8
-    # torchao's Float8Linears cast it themselves and keep their casts
-    attention = 0.0 if b.fp8 else b.tp * b.D
+    attention = b.tp * b.D   # the projections' input: gathered under tp, their one cast under autocast
     if b.stream == b.a:   # fp32, or bf16 parameters: the readers keep the output itself
         # a dense FFN its gathered copy; an MoE layer's router casts its own fp32 copy but in fp32
         ffn = b.tp * b.D if not b.moe else (b.D if b.a == 4 else 0.0)
