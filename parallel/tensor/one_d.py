@@ -105,23 +105,20 @@ def _shard_dense_ffn(ffn: DenseFFN, mesh) -> None:
 
 
 def _gathered(x, mesh):
+    """The sequence-sharded [B, s, D] x (a DTensor or this rank's local shard) gathered to a
+    replicated [B, S, D] DTensor."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)])
     return x.redistribute(mesh, [Replicate()])
 
 
 def _gather_input(_mod, args, mesh):
-    """A forward pre-hook: the module's first input, sequence-sharded [B, s, D], gathered to a
-    replicated [B, S, D] DTensor; announced as made from the shard (moe/cast_once.py), so
-    parallel.recompute_modules=layernorm gathers it again in backward instead of keeping it."""
-    x = args[0]
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Shard(1)])
-    whole = _gathered(x, mesh)
-    announce(args[0], whole, functools.partial(_gathered_from, mesh=mesh))
+    """A forward pre-hook: the module's first input gathered (_gathered); announced as made
+    from the shard (moe/cast_once.py), so parallel.recompute_modules=layernorm gathers it
+    again in backward instead of keeping it."""
+    whole = _gathered(args[0], mesh)
+    announce(args[0], whole, functools.partial(_gathered, mesh=mesh))
     return (whole,) + tuple(args[1:])
-
-
-def _gathered_from(x, mesh):
-    return _gathered(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)]), mesh)
 
 
 def _heads_norm(norm: nn.RMSNorm, group) -> None:
